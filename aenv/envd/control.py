@@ -1,0 +1,74 @@
+"""envd's control routes: ``/health``, ``/init``, ``/envs``, ``/metrics``.
+
+``/init`` is how the host hands a (re)started or resumed guest its identity: access token,
+sandbox-wide environment, default user and workdir, and the host's clock.
+"""
+
+from __future__ import annotations
+
+import json
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from .auth import UNAUTHORIZED
+from .errors import json_error
+from .guest import GuestHooks
+from .metrics import MetricsSampler
+from .state import ENVD_VERSION, EnvdState
+
+
+def routes(state: EnvdState, hooks: GuestHooks) -> list[Route]:
+    sampler = MetricsSampler()
+
+    async def health(_: Request) -> Response:
+        return Response(status_code=204, headers={"Cache-Control": "no-store"})
+
+    async def init(request: Request) -> Response:
+        if not state.token_matches(request.headers.get("x-access-token")):
+            return json_error(401, UNAUTHORIZED)
+        raw = await request.body()
+        try:
+            body = json.loads(raw) if raw.strip() else {}
+        except ValueError:
+            return json_error(400, "request body is not valid JSON")
+        if not isinstance(body, dict):
+            return json_error(400, "request body must be a JSON object")
+        env_vars = body.get("envVars")
+        if env_vars is not None and not (
+            isinstance(env_vars, dict) and all(isinstance(v, str) for v in env_vars.values())
+        ):
+            return json_error(400, "envVars must be an object of strings")
+        for key in ("accessToken", "defaultUser", "defaultWorkdir", "timestamp"):
+            if body.get(key) is not None and not isinstance(body[key], str):
+                return json_error(400, f"{key} must be a string")
+
+        if "accessToken" in body:
+            state.access_token = body["accessToken"] or None
+        if env_vars is not None:
+            state.env_vars = dict(env_vars)
+        if body.get("defaultUser"):
+            state.default_user = body["defaultUser"]
+        if "defaultWorkdir" in body:
+            state.default_workdir = body["defaultWorkdir"] or None
+        if body.get("timestamp"):
+            hooks.sync_clock(body["timestamp"])
+        if body.get("entropy"):
+            hooks.reseed(body["entropy"])
+        return Response(status_code=204, headers={"X-Envd-Version": ENVD_VERSION})
+
+    async def envs(_: Request) -> Response:
+        return JSONResponse(state.env_vars)
+
+    async def metrics(_: Request) -> Response:
+        return JSONResponse(sampler.sample())
+
+    return [
+        Route("/health", health, methods=["GET"]),
+        Route("/init", init, methods=["POST"]),
+        Route("/envs", envs, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+
+

@@ -1,0 +1,52 @@
+"""Things envd does only when it owns the machine (inside a guest, ``--guest``).
+
+On a host, envd must never set the clock or feed the kernel's entropy pool, so the default
+hooks do nothing; ``GuestHooks(enabled=True)`` does both.
+"""
+
+from __future__ import annotations
+
+import base64
+import fcntl
+import struct
+import time
+from datetime import datetime
+
+# <linux/random.h>: _IOW('R', 0x03, int[2])
+_RNDADDENTROPY = 0x40085203
+# Upstream envd leaves small drifts alone: behind by more than 50 ms or ahead by 5 s.
+_MAX_BEHIND_S = 0.05
+_MAX_AHEAD_S = 5.0
+
+
+class GuestHooks:
+    def __init__(self, enabled: bool = False) -> None:
+        self.enabled = enabled
+
+    def sync_clock(self, timestamp: str) -> None:
+        """Step the guest clock to the host's RFC 3339 ``timestamp`` (after a resume the
+        guest clock is as old as the snapshot)."""
+        if not self.enabled:
+            return
+        try:
+            host = datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            return
+        drift = host - time.time()
+        if drift > _MAX_BEHIND_S or drift < -_MAX_AHEAD_S:
+            time.clock_settime(time.CLOCK_REALTIME, host)
+
+    def reseed(self, entropy_b64: str) -> None:
+        """Mix host-provided bytes into the kernel pool and credit them, so forks of one
+        snapshot do not share their random state."""
+        if not self.enabled:
+            return
+        try:
+            data = base64.b64decode(entropy_b64)
+        except ValueError:
+            return
+        if not data:
+            return
+        req = struct.pack("ii", len(data) * 8, len(data)) + data
+        with open("/dev/random", "wb") as f:
+            fcntl.ioctl(f, _RNDADDENTROPY, req)

@@ -1,0 +1,1 @@
+"""The ``process.Process`` Connect service: start, stream, signal and feed processes."""

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Idempotent set-up for a fresh Debian/Ubuntu machine, run as root by `make run` and
+# `make test`: Debian packages, the .venv with aenv and its test dependencies, and the
+# JS SDK used by the tests. A second run only checks and returns.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# Debian packages the project needs on the host. Keep sorted; say why in the commit.
+APT_PACKAGES=(
+  ca-certificates
+  e2fsprogs
+  iproute2
+  procps
+  sudo
+)
+
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+  missing+=(nodejs npm)
+fi
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing Debian packages: ${missing[*]}"
+  if [ "$(id -u)" -ne 0 ]; then echo "setup: run as root to install packages" >&2; exit 1; fi
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv with $($PYTHON --version)"
+  "$PYTHON" -m venv .venv
+fi
+stamp=.venv/.aenv-setup
+want=$(cat pyproject.toml | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "setup: installing Python dependencies into .venv"
+  .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+  echo "$want" > "$stamp"
+fi
+
+js=tests/js
+jstamp=$js/node_modules/.aenv-setup
+jwant=$(cat $js/package.json | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$jstamp" 2>/dev/null)" != "$jwant" ]; then
+  echo "setup: installing the E2B JS SDK (newest) for the tests"
+  (cd $js && npm install --no-audit --no-fund --loglevel=error >/dev/null)
+  echo "$jwant" > "$jstamp"
+fi

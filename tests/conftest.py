@@ -1,0 +1,93 @@
+"""Fixtures shared by every test: free ports and child processes that always get cleaned up."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen | None = None) -> None:
+    """Poll ``url`` until it answers with a status below 500."""
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
+        try:
+            if httpx.get(url, timeout=1.0).status_code < 500:
+                return
+        except httpx.HTTPError as e:
+            last = e
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} did not answer within {timeout}s: {last}")
+
+
+def stop_process(proc: subprocess.Popen, grace: float = 5.0) -> None:
+    """SIGTERM the process group, then SIGKILL whatever is left."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+class Envd:
+    """An envd started on the host for a test session."""
+
+    def __init__(self, *extra: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(f"/tmp/aenv-test-envd-{self.port}.log", "wb")
+        self.proc = subprocess.Popen(
+            [PYTHON, "-m", "aenv.envd", "--host", "127.0.0.1", "--port", str(self.port), *extra],
+            cwd=ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        wait_http(self.url + "/health", proc=self.proc)
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+        self.log.close()
+
+
+@pytest.fixture(scope="session")
+def envd_factory() -> Iterator[type[Envd]]:
+    started: list[Envd] = []
+
+    class _Tracked(Envd):
+        def __init__(self, *extra: str) -> None:
+            super().__init__(*extra)
+            started.append(self)
+
+    yield _Tracked
+    for e in started:
+        e.stop()
