@@ -1,0 +1,25 @@
+"""Entry point of the ``aenv`` command: one typer app, one sub-command module per area.
+
+Each area registers itself in ``_register``; a module imports only what its commands need
+so ``aenv --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__.splitlines()[0])
+
+
+@app.callback()
+def _main() -> None:
+    """aenv: microVM sandboxes for agents and RL, speaking the E2B API."""
+
+
+def _register() -> None:
+    from . import doctor
+
+    doctor.register(app)
+
+
+_register()

@@ -1,0 +1,77 @@
+"""Settings of the host side of aenv, read once from the environment.
+
+Everything aenv keeps lives under ``AENV_HOME`` (default ``/var/lib/aenv`` as root,
+``~/.local/share/aenv`` otherwise). The layout below is the one place that names those
+paths; modules ask ``Settings`` instead of joining strings themselves.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+
+def _default_home() -> Path:
+    if os.geteuid() == 0:
+        return Path("/var/lib/aenv")
+    return Path.home() / ".local/share/aenv"
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    return int(raw) if raw else default
+
+
+@dataclass(frozen=True)
+class Settings:
+    home: Path = field(default_factory=_default_home)
+    # Host-reachable sandbox addresses are taken from here (one /32 per network slot).
+    host_cidr: str = "10.11.0.0/16"
+    # veth pairs between the host and each sandbox namespace (one /31 per slot).
+    veth_cidr: str = "10.12.0.0/16"
+    # Prefix of every host object aenv creates (netns, veth, nft table), so leftovers of a
+    # crash can be found and nothing else is touched.
+    name_prefix: str = "aenv"
+    # Which VMM drives guests: "qemu" or "firecracker".
+    runtime: str = "qemu"
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        home = os.environ.get("AENV_HOME")
+        return cls(
+            home=Path(home) if home else _default_home(),
+            host_cidr=os.environ.get("AENV_HOST_CIDR", cls.host_cidr),
+            veth_cidr=os.environ.get("AENV_VETH_CIDR", cls.veth_cidr),
+            name_prefix=os.environ.get("AENV_NAME_PREFIX", cls.name_prefix),
+            runtime=os.environ.get("AENV_RUNTIME", cls.runtime),
+        )
+
+    # -- layout ---------------------------------------------------------------------------
+
+    @cached_property
+    def kernels_dir(self) -> Path:
+        """Guest kernels and initramfs images, one directory per kernel build."""
+        return self.home / "kernels"
+
+    @cached_property
+    def images_dir(self) -> Path:
+        """Content-addressed read-only root-filesystem images."""
+        return self.home / "images"
+
+    @cached_property
+    def vms_dir(self) -> Path:
+        """One working directory per running VM (fixed relative paths inside)."""
+        return self.home / "vms"
+
+    @cached_property
+    def cache_dir(self) -> Path:
+        """Downloads and build scratch space (Debian packages, wheels, debootstrap trees)."""
+        return self.home / "cache"
+
+    @cached_property
+    def secrets_dir(self) -> Path:
+        return self.home / "secrets"
+
+
