@@ -37,7 +37,9 @@ stamp=.venv/.aenv-setup
 want=$(cat pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup: installing Python dependencies into .venv"
-  .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+  # The mirror's empty extra index makes pip warn once per package; keep real errors.
+  .venv/bin/pip install -q --disable-pip-version-check -e '.[test]' 2>&1 \
+    | { grep -v "^WARNING: Location 'file:///opt/" || true; }
   echo "$want" > "$stamp"
 fi
 

@@ -1,0 +1,95 @@
+"""Filtering and pagination of ``GET /v2/sandboxes`` (and the v1 list).
+
+The SDKs encode the metadata filter three times over (spec 2.5): decode the parameter,
+unquote the whole string, then split on ``&``/``=`` and unquote each key and value. Pages
+are ordered by (startedAt, sandboxID); the next-page token is an opaque cursor of that key.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterable
+from datetime import datetime
+from urllib.parse import unquote
+
+from ..store import SandboxRecord
+from .errors import ApiError
+from .views import api_state
+
+DEFAULT_LIMIT = 100
+MAX_LIMIT = 1000
+
+
+def parse_metadata_filter(raw: str | None) -> dict[str, str]:
+    if not raw:
+        return {}
+    out = {}
+    for pair in unquote(raw).split("&"):
+        if not pair:
+            continue
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ApiError(400, f"invalid metadata filter '{pair}': expected key=value")
+        out[unquote(key)] = unquote(value)
+    return out
+
+
+def parse_states(raw: str | None) -> set[str]:
+    if not raw:
+        return {"running", "paused"}
+    states = {s.strip() for s in raw.split(",") if s.strip()}
+    bad = states - {"running", "paused"}
+    if bad:
+        raise ApiError(400, f"invalid state filter: {', '.join(sorted(bad))}")
+    return states
+
+
+def parse_time(raw: str | None) -> float | None:
+    if not raw:
+        return None
+    try:
+        return datetime.fromisoformat(raw.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        raise ApiError(400, f"invalid startedAfter '{raw}': expected RFC 3339") from None
+
+
+def encode_cursor(rec: SandboxRecord) -> str:
+    return base64.urlsafe_b64encode(json.dumps([rec.started_at, rec.id]).encode()).decode()
+
+
+def decode_cursor(token: str) -> tuple[float, str]:
+    try:
+        started, sid = json.loads(base64.urlsafe_b64decode(token.encode()))
+        return float(started), str(sid)
+    except (ValueError, TypeError):
+        raise ApiError(400, "invalid nextToken") from None
+
+
+def select(
+    records: Iterable[SandboxRecord], *, metadata: dict[str, str], states: set[str],
+    started_after: float | None = None, template: str | None = None, order: str = "desc",
+    limit: int | None = None, next_token: str | None = None,
+) -> tuple[list[SandboxRecord], str | None]:
+    """One page of matching records and the token of the next page (None at the end)."""
+    if order not in ("asc", "desc"):
+        raise ApiError(400, f"invalid order '{order}': expected asc or desc")
+    limit = DEFAULT_LIMIT if limit is None else limit
+    if not 1 <= limit <= MAX_LIMIT:
+        raise ApiError(400, f"limit must be between 1 and {MAX_LIMIT}")
+    rows = [
+        r for r in records
+        if api_state(r) in states
+        and all(r.metadata.get(k) == v for k, v in metadata.items())
+        and (started_after is None or r.started_at >= started_after)
+        and (template is None or template in (r.template_id, r.alias))
+    ]
+    desc = order == "desc"
+    rows.sort(key=lambda r: (r.started_at, r.id), reverse=desc)
+    if next_token:
+        cursor = decode_cursor(next_token)
+        rows = [r for r in rows if ((r.started_at, r.id) < cursor if desc
+                                    else (r.started_at, r.id) > cursor)]
+    page = rows[:limit]
+    more = len(rows) > limit
+    return page, encode_cursor(page[-1]) if more and page else None

@@ -1,0 +1,183 @@
+"""Sandbox routes of both SDK generations (spec section 2.3) with their exact status codes."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+from fastapi import APIRouter, Body, Header, Query, Request, Response
+from fastapi.responses import JSONResponse
+
+from ..orchestrator.service import DEFAULT_TIMEOUT_S, CreateOptions, Orchestrator
+from . import listing, views
+from .errors import ApiError
+from .models import (
+    ConnectRequest,
+    NewSandbox,
+    PauseRequest,
+    RefreshRequest,
+    ResumeRequest,
+    TimeoutRequest,
+)
+
+router = APIRouter()
+
+_IDEMPOTENCY_KEY = re.compile(r"^[a-z0-9-]{1,255}$")
+
+
+def orch(request: Request) -> Orchestrator:
+    return request.app.state.orchestrator
+
+
+def domain(request: Request) -> str:
+    return request.app.state.domain
+
+
+async def _create(request: Request, body: NewSandbox, idem: str | None, v1: bool) -> Response:
+    if idem is not None and not _IDEMPOTENCY_KEY.match(idem):
+        raise ApiError(400, "Idempotency-Key must be 1-255 characters of [a-z0-9-]")
+    opts = CreateOptions(
+        template=body.templateID,
+        timeout=body.timeout if body.timeout is not None else DEFAULT_TIMEOUT_S,
+        metadata=body.metadata or {},
+        env_vars=body.envVars or {},
+        secure=True if not v1 or body.secure is None else body.secure,
+        auto_pause=bool(body.autoPause),
+        auto_pause_memory=body.autoPauseMemory is not False,
+        auto_resume=bool(body.autoResume and body.autoResume.enabled),
+        allow_internet=body.allow_internet_access,
+        network=body.network.model_dump(exclude_none=True) if body.network else None,
+        cpu_count=body.cpuCount,
+        memory_mb=body.memoryMB,
+        idempotency_key=idem,
+    )
+    rec = await orch(request).create(opts)
+    return JSONResponse(views.sandbox(rec, domain(request)), status_code=201)
+
+
+@router.post("/v2/sandboxes")
+async def create_v2(
+    request: Request, body: NewSandbox,
+    idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
+) -> Response:
+    return await _create(request, body, idempotency_key, v1=False)
+
+
+@router.post("/sandboxes")
+async def create_v1(
+    request: Request, body: NewSandbox,
+    idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
+) -> Response:
+    return await _create(request, body, idempotency_key, v1=True)
+
+
+@router.get("/v2/sandboxes")
+async def list_v2(
+    request: Request,
+    metadata: str | None = None,
+    state: str | None = None,
+    limit: int | None = None,
+    nextToken: str | None = None,  # noqa: N803 (wire name)
+    startedAfter: str | None = None,  # noqa: N803
+    template: str | None = None,
+    order: str = "desc",
+) -> Response:
+    page, token = listing.select(
+        orch(request).sandboxes.live(),
+        metadata=listing.parse_metadata_filter(metadata),
+        states=listing.parse_states(state),
+        started_after=listing.parse_time(startedAfter),
+        template=template, order=order, limit=limit, next_token=nextToken,
+    )
+    headers = {"X-Next-Token": token} if token else {}
+    return JSONResponse([views.listed(r) for r in page], headers=headers)
+
+
+@router.get("/sandboxes")
+async def list_v1(request: Request, metadata: str | None = None) -> Response:
+    """1.x SDKs: running sandboxes only, no pagination."""
+    page, _ = listing.select(
+        orch(request).sandboxes.live(), metadata=listing.parse_metadata_filter(metadata),
+        states={"running"}, limit=listing.MAX_LIMIT,
+    )
+    return JSONResponse([views.listed(r) for r in page])
+
+
+@router.get("/sandboxes/{sandbox_id}")
+async def get_sandbox(request: Request, sandbox_id: str) -> Response:
+    return JSONResponse(views.detail(orch(request).get(sandbox_id), domain(request)))
+
+
+@router.delete("/sandboxes/{sandbox_id}", status_code=204)
+async def kill(request: Request, sandbox_id: str) -> Response:
+    await orch(request).kill(sandbox_id)
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandbox_id}/timeout", status_code=204)
+async def set_timeout(request: Request, sandbox_id: str, body: TimeoutRequest) -> Response:
+    orch(request).set_timeout(sandbox_id, body.timeout)
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandbox_id}/refreshes", status_code=204)
+async def refresh(request: Request, sandbox_id: str,
+                  body: Annotated[RefreshRequest | None, Body()] = None) -> Response:
+    duration = body.duration if body and body.duration is not None else DEFAULT_TIMEOUT_S
+    orch(request).extend_timeout(sandbox_id, duration)
+    return Response(status_code=204)
+
+
+async def _connect(request: Request, sandbox_id: str, timeout: int | None) -> Response:
+    rec, resumed = await orch(request).connect(sandbox_id, timeout)
+    return JSONResponse(views.sandbox(rec, domain(request)), status_code=201 if resumed else 200)
+
+
+@router.post("/v2/sandboxes/{sandbox_id}/connect")
+async def connect_v2(request: Request, sandbox_id: str,
+                     body: Annotated[ConnectRequest | None, Body()] = None) -> Response:
+    return await _connect(request, sandbox_id, body.timeout if body else None)
+
+
+@router.post("/sandboxes/{sandbox_id}/connect")
+async def connect_v1(request: Request, sandbox_id: str,
+                     body: Annotated[ConnectRequest | None, Body()] = None) -> Response:
+    return await _connect(request, sandbox_id, body.timeout if body else None)
+
+
+@router.post("/sandboxes/{sandbox_id}/resume")
+async def resume(request: Request, sandbox_id: str,
+                 body: Annotated[ResumeRequest | None, Body()] = None) -> Response:
+    """Deprecated (SDK <= 2.3): 201 when resumed, 409 when already running."""
+    rec = await orch(request).resume(sandbox_id, body.timeout if body else None)
+    return JSONResponse(views.sandbox(rec, domain(request)), status_code=201)
+
+
+@router.post("/sandboxes/{sandbox_id}/pause", status_code=204)
+async def pause(request: Request, sandbox_id: str,
+                body: Annotated[PauseRequest | None, Body()] = None) -> Response:
+    memory = not (body and body.memory is False)
+    await orch(request).pause(sandbox_id, memory=memory)
+    return Response(status_code=204)
+
+
+@router.get("/sandboxes/{sandbox_id}/metrics")
+async def metrics(request: Request, sandbox_id: str,
+                  start: Annotated[int | None, Query()] = None,
+                  end: Annotated[int | None, Query()] = None) -> Response:
+    o = orch(request)
+    o.get(sandbox_id)
+    samples = request.app.state.metrics.samples(sandbox_id, start, end)
+    return JSONResponse(samples)
+
+
+@router.get("/sandboxes/{sandbox_id}/logs")
+async def logs(request: Request, sandbox_id: str, start: int | None = None,
+               limit: int = 1000) -> Response:
+    rec = orch(request).get(sandbox_id)
+    entries = request.app.state.logs(rec, start, limit)
+    return JSONResponse({"logs": [{"timestamp": e["timestamp"], "line": e["line"]}
+                                  for e in entries],
+                         "logEntries": [{"timestamp": e["timestamp"], "message": e["line"],
+                                         "level": "info", "fields": {}} for e in entries]})
+

@@ -1,0 +1,78 @@
+"""Records as the E2B SDKs expect to read them (keys and formats exactly as in the spec)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from ..envd.state import ENVD_VERSION
+from ..store import SandboxRecord
+
+# The API folds aenv's lifecycle states into the two E2B knows.
+_API_STATE = {
+    "creating": "running", "running": "running", "resuming": "running",
+    "snapshotting": "running", "forking": "running", "killing": "running",
+    "pausing": "paused", "paused": "paused",
+}
+
+
+def rfc3339(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="microseconds").replace(
+        "+00:00", "Z")
+
+
+def api_state(rec: SandboxRecord) -> str:
+    return _API_STATE.get(rec.state, "running")
+
+
+def sandbox(rec: SandboxRecord, domain: str) -> dict[str, Any]:
+    """``Sandbox``: the create / connect / resume / fork answer."""
+    out: dict[str, Any] = {
+        "templateID": rec.template_id,
+        "sandboxID": rec.id,
+        "clientID": rec.client_id,
+        "envdVersion": ENVD_VERSION,
+        "trafficAccessToken": rec.traffic_token,
+        "domain": domain,
+    }
+    if rec.alias:
+        out["alias"] = rec.alias
+    if rec.envd_token:
+        out["envdAccessToken"] = rec.envd_token
+    return out
+
+
+def listed(rec: SandboxRecord) -> dict[str, Any]:
+    """``ListedSandbox``."""
+    out: dict[str, Any] = {
+        "templateID": rec.template_id,
+        "sandboxID": rec.id,
+        "clientID": rec.client_id,
+        "startedAt": rfc3339(rec.started_at),
+        "endAt": rfc3339(rec.end_at),
+        "cpuCount": rec.cpu_count,
+        "memoryMB": rec.memory_mb,
+        "diskSizeMB": rec.disk_size_mb,
+        "state": api_state(rec),
+        "envdVersion": ENVD_VERSION,
+        "metadata": rec.metadata,
+    }
+    if rec.alias:
+        out["alias"] = rec.alias
+    return out
+
+
+def detail(rec: SandboxRecord, domain: str) -> dict[str, Any]:
+    """``SandboxDetail``; keeps token and domain, which SDKs <= 2.3 connect with."""
+    out = listed(rec)
+    out["domain"] = domain
+    out["allowInternetAccess"] = rec.allow_internet
+    out["lifecycle"] = {"autoResume": rec.auto_resume,
+                        "onTimeout": "pause" if rec.auto_pause else "kill"}
+    if rec.envd_token:
+        out["envdAccessToken"] = rec.envd_token
+    if rec.network:
+        out["network"] = rec.network
+    if rec.pause_mode and api_state(rec) == "paused":
+        out["pauseMode"] = rec.pause_mode
+    return out

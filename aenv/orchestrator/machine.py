@@ -1,0 +1,51 @@
+"""The seam between lifecycle decisions and the host: what it takes to run one sandbox.
+
+``Machines`` makes and unmakes the VM behind a sandbox record — network slot, disk, VMM,
+envd ready and initialised. The orchestrator calls it under the sandbox's lock and records
+the result; tests of the lifecycle can stand in a fake here without touching the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..store import SandboxRecord, TemplateRecord
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a running sandbox lives on this node (all of it goes into the store)."""
+
+    vm_dir: str
+    vm_pid: int
+    slot: int
+    host_ip: str
+    runtime: str
+
+
+class Machines(Protocol):
+    #: Whether ``pause``/``resume`` work on this node (TTL expiry kills otherwise).
+    can_pause: bool
+
+    async def start(self, rec: SandboxRecord, template: TemplateRecord) -> Placement:
+        """Boot (or restore) a VM for ``rec`` and return once envd answered ``/init``.
+        On failure everything made so far is released before raising."""
+
+    async def stop(self, rec: SandboxRecord) -> None:
+        """Stop the VM and release its slot and disk. Idempotent; never raises for
+        things already gone."""
+
+    async def reattach(self, rec: SandboxRecord) -> bool:
+        """After a server restart: adopt the VM still running for ``rec``. False when it
+        is gone or unusable (the caller then stops it and reports it lost)."""
+
+    async def pause(self, rec: SandboxRecord, memory: bool) -> str:
+        """Snapshot the sandbox to disk, stop its VM, release its slot; returns the id of
+        the snapshot it can resume from. Raises ``Unsupported`` where not available."""
+
+    async def resume(self, rec: SandboxRecord) -> Placement:
+        """Restore a paused sandbox from ``rec.snapshot_id`` into a free slot."""
+
+    def logs(self, rec: SandboxRecord, start: int | None, limit: int) -> list[dict]:
+        """Console lines of the sandbox's VM: ``[{"timestamp": ms, "line": str}]``."""

@@ -1,0 +1,251 @@
+"""Stream HTTP and WebSocket traffic to a port inside a sandbox.
+
+Routing (spec 1.3, 1.5): ``E2b-Sandbox-Id`` + ``E2b-Sandbox-Port`` headers, or a Host of
+``<port>-<sandboxID>.<domain>``. Bodies stream both ways, envelope by envelope, never
+buffered whole. When a sandbox is gone the client gets E2B's proxy answer: 502 JSON with
+"The sandbox was not found" (a running sandbox with nothing on the port: "…port is not
+open"); the SDKs classify errors by those phrases.
+
+Each running sandbox gets its own upstream connection pool keyed by the VM's identity, so
+a keep-alive connection can never reach a newer VM that reuses the same address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import httpx
+import websockets
+from starlette.types import Receive, Scope, Send
+
+log = logging.getLogger("aenv.proxy")
+
+ENVD_PORT = 49983
+_HOST = re.compile(r"^(\d{1,5})-([a-z0-9]{1,64})\.[^:]+(?::\d+)?$")
+_HOP_BY_HOP = {
+    b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
+    b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length",
+}
+_STRIP = {b"e2b-sandbox-id", b"e2b-sandbox-port", b"e2b-traffic-access-token", b"x-api-key"}
+# envd routes the orchestrator uses; never reachable from outside.
+_ENVD_INTERNAL = {"/init"}
+
+
+def parse_host(host: str | None) -> tuple[int, str] | None:
+    """``49983-abc123.example.com[:3000]`` -> (49983, "abc123")."""
+    if not host:
+        return None
+    m = _HOST.match(host.lower())
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+@dataclass(frozen=True)
+class Route:
+    sandbox_id: str
+    host_ip: str
+    generation: str          # changes whenever the VM behind the sandbox changes
+    envd_token: str | None
+    traffic_token: str | None
+    public_traffic: bool = True
+
+
+class RouteTable:
+    """Resolves sandbox ids to routes through a lookup the server provides.
+
+    ``lookup(id)`` returns a Route for a running sandbox, None for an unknown one, and may
+    resume a paused sandbox that has auto-resume on (the server decides).
+    """
+
+    def __init__(self, lookup: Callable[[str], Awaitable[Route | None]]) -> None:
+        self.lookup = lookup
+
+
+def _json(status: int, body: dict) -> tuple[int, list, bytes]:
+    import json
+
+    data = json.dumps(body).encode()
+    return status, [(b"content-type", b"application/json; charset=utf-8"),
+                    (b"content-length", str(len(data)).encode())], data
+
+
+async def _answer(send: Send, status: int, headers: list, body: bytes) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def not_found(sandbox_id: str) -> tuple[int, list, bytes]:
+    return _json(502, {"sandboxId": sandbox_id, "message": "The sandbox was not found",
+                       "code": 502})
+
+
+def port_closed(sandbox_id: str, port: int) -> tuple[int, list, bytes]:
+    return _json(502, {"sandboxId": sandbox_id,
+                       "message": "The sandbox is running but port is not open",
+                       "port": port, "code": 502})
+
+
+class ProxyRouter:
+    """ASGI handler for requests already known to be sandbox traffic."""
+
+    def __init__(self, routes: RouteTable, *, connect_timeout: float = 5.0) -> None:
+        self.routes = routes
+        self.connect_timeout = connect_timeout
+        self._clients: dict[str, tuple[str, httpx.AsyncClient]] = {}
+
+    async def close(self) -> None:
+        for _, client in self._clients.values():
+            await client.aclose()
+        self._clients.clear()
+
+    async def forget(self, sandbox_id: str) -> None:
+        """Drop the sandbox's pooled connections (it stopped or moved)."""
+        entry = self._clients.pop(sandbox_id, None)
+        if entry:
+            await entry[1].aclose()
+
+    def _client(self, route: Route) -> httpx.AsyncClient:
+        entry = self._clients.get(route.sandbox_id)
+        if entry and entry[0] == route.generation:
+            return entry[1]
+        if entry:
+            asyncio.create_task(entry[1].aclose())
+        client = httpx.AsyncClient(
+            timeout=httpx.Timeout(None, connect=self.connect_timeout),
+            limits=httpx.Limits(max_connections=256, max_keepalive_connections=32,
+                                keepalive_expiry=60),
+            follow_redirects=False,
+        )
+        self._clients[route.sandbox_id] = (route.generation, client)
+        return client
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send, sandbox_id: str,
+                       port: int) -> None:
+        route = await self.routes.lookup(sandbox_id)
+        if route is None:
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1011})
+                return
+            return await _answer(send, *not_found(sandbox_id))
+        if not self._allowed(scope, route, port):
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008})
+                return
+            return await _answer(send, *_json(
+                403 if port != ENVD_PORT else 404,
+                {"code": 403 if port != ENVD_PORT else 404,
+                 "message": "missing or invalid traffic access token"
+                 if port != ENVD_PORT else "not found"}))
+        if scope["type"] == "websocket":
+            return await self._websocket(scope, receive, send, route, port)
+        await self._http(scope, receive, send, route, port)
+
+    def _allowed(self, scope: Scope, route: Route, port: int) -> bool:
+        if port == ENVD_PORT:
+            return scope["path"] not in _ENVD_INTERNAL
+        if route.public_traffic or not route.traffic_token:
+            return True
+        given = _header(scope, b"e2b-traffic-access-token") or ""
+        return hmac.compare_digest(given.encode(), route.traffic_token.encode())
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send, route: Route,
+                    port: int) -> None:
+        url = httpx.URL(scheme="http", host=route.host_ip, port=port, path=scope["path"],
+                        query=scope.get("query_string", b""))
+        headers = [(k, v) for k, v in scope["headers"]
+                   if k not in _HOP_BY_HOP and k not in _STRIP]
+        host = _header(scope, b"host")
+        if host:
+            headers.append((b"x-forwarded-host", host.encode()))
+        has_body = any(k in (b"content-length", b"transfer-encoding") for k, _ in scope["headers"])
+        client = self._client(route)
+        request = client.build_request(
+            scope["method"], url, headers=headers,
+            content=_request_body(receive) if has_body else None,
+        )
+        try:
+            upstream = await client.send(request, stream=True)
+        except httpx.ConnectError:
+            return await _answer(send, *port_closed(route.sandbox_id, port))
+        except httpx.HTTPError as e:
+            log.info("sandbox %s: upstream failed before a response: %s", route.sandbox_id, e)
+            return await _answer(send, *not_found(route.sandbox_id))
+        try:
+            # Raw (still content-encoded) bytes are relayed, so the upstream length holds.
+            out_headers = [(k, v) for k, v in upstream.headers.raw
+                           if k.lower() not in _HOP_BY_HOP or k.lower() == b"content-length"]
+            await send({"type": "http.response.start", "status": upstream.status_code,
+                        "headers": out_headers})
+            async for chunk in upstream.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            await upstream.aclose()
+
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send, route: Route,
+                         port: int) -> None:
+        query = scope.get("query_string", b"").decode()
+        uri = f"ws://{route.host_ip}:{port}{scope['path']}" + (f"?{query}" if query else "")
+        headers = [(k.decode(), v.decode()) for k, v in scope["headers"]
+                   if k not in _HOP_BY_HOP and k not in _STRIP and not k.startswith(b"sec-websocket")]
+        subprotocols = scope.get("subprotocols") or None
+        try:
+            upstream = await websockets.connect(uri, additional_headers=headers,
+                                                subprotocols=subprotocols, open_timeout=self.connect_timeout,
+                                                max_size=None)
+        except (OSError, websockets.InvalidHandshake, asyncio.TimeoutError):
+            await send({"type": "websocket.close", "code": 1011})
+            return
+        await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
+
+        async def client_to_upstream() -> None:
+            while True:
+                msg = await receive()
+                if msg["type"] == "websocket.disconnect":
+                    await upstream.close()
+                    return
+                if msg.get("bytes") is not None:
+                    await upstream.send(msg["bytes"])
+                elif msg.get("text") is not None:
+                    await upstream.send(msg["text"])
+
+        async def upstream_to_client() -> None:
+            try:
+                async for data in upstream:
+                    if isinstance(data, bytes):
+                        await send({"type": "websocket.send", "bytes": data})
+                    else:
+                        await send({"type": "websocket.send", "text": data})
+            finally:
+                await send({"type": "websocket.close", "code": upstream.close_code or 1000})
+
+        tasks = [asyncio.create_task(client_to_upstream()), asyncio.create_task(upstream_to_client())]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await upstream.close()
+
+
+async def _request_body(receive: Receive) -> AsyncIterator[bytes]:
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return
+        body = msg.get("body", b"")
+        if body:
+            yield body
+        if not msg.get("more_body", False):
+            return
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for k, v in scope["headers"]:
+        if k == name:
+            return v.decode("latin-1")
+    return None

@@ -1,0 +1,108 @@
+"""``aenv server``: one process serving the REST API, the sandbox proxy and the orchestrator.
+
+This module only wires parts together: store → orchestrator (with the node's machines) →
+API and proxy behind one listener. Everything with behaviour lives in those packages.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from .api.app import create_api
+from .api.auth import load_api_key
+from .config import Settings
+from .orchestrator.machine import Machines
+from .orchestrator.metrics import MetricsCollector
+from .orchestrator.service import Limits, Orchestrator
+from .proxy import ProxyRouter, Route, RouteTable
+from .proxy.front import Front
+from .store import Database, SandboxStore, TemplateStore
+
+log = logging.getLogger("aenv.server")
+
+AUTO_RESUME_MIN_TIMEOUT_S = 300
+
+
+@dataclass
+class ServerOptions:
+    domain: str = "localhost"
+    limits: Limits = Limits()
+    ttl_interval: float = 1.0
+    metrics_interval: float = 5.0
+
+
+class Server:
+    def __init__(self, settings: Settings, machines: Machines,
+                 options: ServerOptions | None = None) -> None:
+        self.settings = settings
+        self.options = options or ServerOptions()
+        self.db = Database(settings.home / "aenv.db")
+        self.sandboxes = SandboxStore(self.db)
+        self.templates = TemplateStore(self.db)
+        self.machines = machines
+        self.orchestrator = Orchestrator(
+            self.sandboxes, self.templates, machines,
+            limits=self.options.limits, ttl_interval=self.options.ttl_interval,
+        )
+        self.metrics = MetricsCollector(self.sandboxes, interval=self.options.metrics_interval)
+        self.proxy = ProxyRouter(RouteTable(self._route))
+        self.orchestrator.on_stop.append(self.proxy.forget)
+        self.api_key, self.api_key_file = load_api_key(settings.secrets_dir)
+
+        @asynccontextmanager
+        async def lifespan(_: Any) -> AsyncIterator[None]:
+            await self.start()
+            try:
+                yield
+            finally:
+                await self.close()
+
+        api = create_api(
+            self.orchestrator, api_key=self.api_key, domain=self.options.domain,
+            metrics=self.metrics, logs=self.machines.logs, lifespan=lifespan,
+        )
+        self.app = Front(api, self.proxy, self._signed_lookup)
+
+    async def start(self) -> None:
+        await self.orchestrator.start()
+        await self.metrics.start()
+        log.info("aenv server ready; API key in %s", self.api_key_file or "$AENV_API_KEY")
+
+    async def close(self) -> None:
+        await self.metrics.close()
+        await self.orchestrator.close()
+        await self.proxy.close()
+        self.db.close()
+
+    async def _route(self, sandbox_id: str) -> Route | None:
+        rec = self.sandboxes.get(sandbox_id)
+        if rec is None:
+            return None
+        if rec.state == "paused" and rec.auto_resume:
+            log.info("sandbox %s: traffic while paused, resuming", sandbox_id)
+            rec, _ = await self.orchestrator.connect(sandbox_id, AUTO_RESUME_MIN_TIMEOUT_S)
+        if rec.state != "running" or not rec.host_ip:
+            return None
+        return Route(
+            sandbox_id=rec.id, host_ip=rec.host_ip, generation=f"{rec.vm_pid}:{rec.host_ip}",
+            envd_token=rec.envd_token, traffic_token=rec.traffic_token,
+            public_traffic=not (rec.network or {}).get("allowPublicTraffic") is False,
+        )
+
+    async def _signed_lookup(self, path: str, op: str, user: str | None, signature: str,
+                             expiration: str | None) -> str | None:
+        """The running sandbox whose token produced ``signature`` (signed URLs carry no
+        routing headers)."""
+        from .envd.signing import signature_for  # noqa: PLC0415 (lands with /files)
+
+        exp = int(expiration) if expiration and expiration.isdigit() else None
+        for rec in self.sandboxes.in_states(("running",)):
+            if rec.envd_token and signature_for(path, op, user, rec.envd_token, exp) == signature:
+                return rec.id
+        return None
+
+

@@ -1,0 +1,134 @@
+"""Plain records as stored: one dataclass per table, JSON columns decoded.
+
+The orchestrator owns what the values mean; the API turns records into E2B shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+_JSON_FIELDS = {"metadata", "env_vars", "network", "spec"}
+_BOOL_FIELDS = {"secure", "auto_pause", "auto_pause_memory", "auto_resume", "allow_internet",
+                "public"}
+
+
+@dataclass
+class SandboxRecord:
+    id: str
+    template_id: str
+    state: str
+    client_id: str
+    started_at: float
+    end_at: float
+    cpu_count: int
+    memory_mb: int
+    disk_size_mb: int
+    seq: int = 0
+    alias: str | None = None
+    ended_at: float | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+    env_vars: dict[str, str] = field(default_factory=dict)
+    envd_token: str | None = None
+    traffic_token: str | None = None
+    secure: bool = True
+    auto_pause: bool = False
+    auto_pause_memory: bool = True
+    auto_resume: bool = False
+    allow_internet: bool | None = None
+    network: dict[str, Any] | None = None
+    pause_mode: str | None = None
+    runtime: str | None = None
+    vm_dir: str | None = None
+    vm_pid: int | None = None
+    slot: int | None = None
+    host_ip: str | None = None
+    snapshot_id: str | None = None
+    idempotency_key: str | None = None
+    reason: str | None = None
+
+
+@dataclass
+class TemplateRecord:
+    id: str
+    kind: str
+    build_id: str
+    status: str
+    cpu_count: int
+    memory_mb: int
+    disk_size_mb: int
+    created_at: float
+    updated_at: float
+    public: bool = False
+    image: str | None = None
+    parent_id: str | None = None
+    source_sandbox: str | None = None
+    start_cmd: str | None = None
+    ready_cmd: str | None = None
+    env_vars: dict[str, str] = field(default_factory=dict)
+    workdir: str | None = None
+    user: str | None = None
+    last_spawned_at: float | None = None
+    spawn_count: int = 0
+    build_count: int = 0
+    names: list[str] = field(default_factory=list)
+
+
+@dataclass
+class BuildRecord:
+    id: str
+    template_id: str
+    status: str
+    created_at: float
+    spec: dict[str, Any] | None = None
+    reason: str | None = None
+    reason_step: str | None = None
+    finished_at: float | None = None
+
+
+@dataclass
+class SnapshotRecord:
+    """A persistent snapshot is a template of kind 'snapshot'; this is its API view."""
+
+    id: str
+    names: list[str]
+    source_sandbox: str | None
+    created_at: float
+
+
+def from_row(cls: type[T], row: sqlite3.Row, **extra: Any) -> T:
+    values: dict[str, Any] = {}
+    names = row.keys()
+    for f in fields(cls):  # type: ignore[arg-type]
+        if f.name not in names:
+            continue
+        v = row[f.name]
+        if f.name in _JSON_FIELDS and v is not None:
+            v = json.loads(v)
+        elif f.name in _BOOL_FIELDS and v is not None:
+            v = bool(v)
+        values[f.name] = v
+    values.update(extra)
+    return cls(**values)
+
+
+def encode(name: str, value: Any) -> Any:
+    """A field value as its column holds it."""
+    if name in _JSON_FIELDS and value is not None:
+        return json.dumps(value, separators=(",", ":"))
+    if isinstance(value, bool):
+        return int(value)
+    return value
+
+
+def to_columns(record: Any, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    return {f.name: encode(f.name, getattr(record, f.name)) for f in fields(record)
+            if f.name not in skip}
+
+
+def encode_changes(changes: dict[str, Any]) -> dict[str, Any]:
+    return {k: encode(k, v) for k, v in changes.items()}

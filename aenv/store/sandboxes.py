@@ -1,0 +1,107 @@
+"""Sandbox rows: insert, compare-and-set state transitions, queries for the API.
+
+``transition`` is the only way the state column changes: it names the states a sandbox may
+be in for the change to apply, so concurrent requests race in SQLite, not in our code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from .db import Database
+from .records import SandboxRecord, encode_changes, from_row, to_columns
+
+# States in which a sandbox exists for the API (the rest are history).
+LIVE_STATES = ("creating", "running", "pausing", "paused", "resuming", "snapshotting",
+               "forking", "killing")
+
+
+class SandboxStore:
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    def insert(self, rec: SandboxRecord) -> SandboxRecord:
+        with self.db.write() as c:
+            rec.seq = c.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM sandboxes").fetchone()[0]
+            cols = to_columns(rec)
+            c.execute(
+                f"INSERT INTO sandboxes ({','.join(cols)}) VALUES ({','.join('?' * len(cols))})",
+                tuple(cols.values()),
+            )
+        return rec
+
+    def get(self, sandbox_id: str, *, live_only: bool = True) -> SandboxRecord | None:
+        sql = "SELECT * FROM sandboxes WHERE id = ?"
+        if live_only:
+            sql += f" AND state IN ({','.join('?' * len(LIVE_STATES))})"
+            rows = self.db.query(sql, (sandbox_id, *LIVE_STATES))
+        else:
+            rows = self.db.query(sql, (sandbox_id,))
+        return from_row(SandboxRecord, rows[0]) if rows else None
+
+    def by_idempotency_key(self, key: str) -> SandboxRecord | None:
+        rows = self.db.query("SELECT * FROM sandboxes WHERE idempotency_key = ?", (key,))
+        return from_row(SandboxRecord, rows[0]) if rows else None
+
+    def transition(
+        self, sandbox_id: str, from_states: Iterable[str], to_state: str, **changes: Any
+    ) -> bool:
+        """Set ``state=to_state`` (and ``changes``) only if the current state is one of
+        ``from_states``. True when this call made the change."""
+        src = tuple(from_states)
+        changes["state"] = to_state
+        cols = encode_changes(changes)
+        sets = ",".join(f"{k} = ?" for k in cols)
+        with self.db.transaction() as c:
+            cur = c.execute(
+                f"UPDATE sandboxes SET {sets} WHERE id = ? AND state IN "
+                f"({','.join('?' * len(src))})",
+                (*cols.values(), sandbox_id, *src),
+            )
+            return cur.rowcount == 1
+
+    def update(self, sandbox_id: str, **changes: Any) -> None:
+        """Change fields other than the state (TTL, pid, ...)."""
+        assert "state" not in changes, "use transition() to change the state"
+        cols = encode_changes(changes)
+        with self.db.transaction() as c:
+            c.execute(
+                f"UPDATE sandboxes SET {','.join(f'{k} = ?' for k in cols)} WHERE id = ?",
+                (*cols.values(), sandbox_id),
+            )
+
+    def in_states(self, states: Iterable[str]) -> list[SandboxRecord]:
+        st = tuple(states)
+        rows = self.db.query(
+            f"SELECT * FROM sandboxes WHERE state IN ({','.join('?' * len(st))}) ORDER BY seq",
+            st,
+        )
+        return [from_row(SandboxRecord, r) for r in rows]
+
+    def live(self) -> list[SandboxRecord]:
+        return self.in_states(LIVE_STATES)
+
+    def count(self, states: Iterable[str]) -> int:
+        st = tuple(states)
+        return self.db.query(
+            f"SELECT COUNT(*) FROM sandboxes WHERE state IN ({','.join('?' * len(st))})", st
+        )[0][0]
+
+    def expired(self, now: float) -> list[SandboxRecord]:
+        rows = self.db.query(
+            "SELECT * FROM sandboxes WHERE state = 'running' AND end_at <= ? ORDER BY end_at",
+            (now,),
+        )
+        return [from_row(SandboxRecord, r) for r in rows]
+
+    def purge_ended(self, before: float) -> int:
+        """Forget killed/lost sandboxes that ended before ``before``."""
+        with self.db.transaction() as c:
+            placeholders = ",".join("?" * len(LIVE_STATES))
+            cur = c.execute(
+                f"DELETE FROM sandboxes WHERE state NOT IN ({placeholders}) AND ended_at < ?",
+                (*LIVE_STATES, before),
+            )
+            return cur.rowcount
+

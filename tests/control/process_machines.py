@@ -1,0 +1,76 @@
+"""A stand-in for VMs in control-plane tests: each "sandbox" is an envd process on the host.
+
+It lets the real SDK exercise the API, proxy and lifecycle in seconds. Each envd listens on
+its own loopback address (127.0.0.N:49983), as each VM has its own host address. It proves
+nothing about isolation; the VM tests do that.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from aenv.client.envd import ENVD_PORT, EnvdClient
+from aenv.orchestrator.machine import Placement
+from aenv.store import SandboxRecord, TemplateRecord
+from tests.conftest import ROOT, stop_process
+
+
+class ProcessMachines:
+    can_pause = False
+
+    def __init__(self) -> None:
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._next = 2
+        self.fail_next_start = False
+
+    async def start(self, rec: SandboxRecord, template: TemplateRecord) -> Placement:
+        if self.fail_next_start:
+            self.fail_next_start = False
+            raise RuntimeError("injected start failure")
+        n = self._next
+        self._next += 1
+        ip = f"127.0.0.{n}"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "aenv.envd", "--host", ip, "--port", str(ENVD_PORT),
+             "--default-user", "user"],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        self.procs[rec.id] = proc
+        client = EnvdClient(f"http://{ip}:{ENVD_PORT}")
+        try:
+            await client.wait_healthy(20, alive=lambda: proc.poll() is None)
+            await client.init(access_token=rec.envd_token, env_vars=rec.env_vars)
+        except Exception:
+            stop_process(proc)
+            raise
+        finally:
+            await client.aclose()
+        return Placement(vm_dir="", vm_pid=proc.pid, slot=n, host_ip=ip, runtime="process")
+
+    async def stop(self, rec: SandboxRecord) -> None:
+        proc = self.procs.pop(rec.id, None)
+        if proc is not None:
+            stop_process(proc, grace=2)
+
+    async def reattach(self, rec: SandboxRecord) -> bool:
+        proc = self.procs.get(rec.id)
+        return proc is not None and proc.poll() is None
+
+    async def pause(self, rec: SandboxRecord, memory: bool) -> str:
+        raise NotImplementedError
+
+    async def resume(self, rec: SandboxRecord) -> Placement:
+        raise NotImplementedError
+
+    def logs(self, rec: SandboxRecord, start: int | None, limit: int) -> list[dict]:
+        return []
+
+    def in_use(self) -> set[int]:
+        return set()
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            stop_process(proc, grace=2)
+        self.procs.clear()
