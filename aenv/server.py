@@ -15,6 +15,7 @@ from typing import Any
 from .api.app import create_api
 from .api.auth import load_api_key
 from .config import Settings
+from .orchestrator.builds import Builder
 from .orchestrator.machine import Machines
 from .orchestrator.metrics import MetricsCollector
 from .orchestrator.service import Limits, Orchestrator
@@ -48,6 +49,7 @@ class Server:
             self.sandboxes, self.templates, machines,
             limits=self.options.limits, ttl_interval=self.options.ttl_interval,
         )
+        self.builder = Builder(self.templates, machines, settings.cache_dir / "build-files")
         self.metrics = MetricsCollector(self.sandboxes, interval=self.options.metrics_interval)
         self.proxy = ProxyRouter(RouteTable(self._route))
         self.orchestrator.on_stop.append(self.proxy.forget)
@@ -64,16 +66,19 @@ class Server:
         api = create_api(
             self.orchestrator, api_key=self.api_key, domain=self.options.domain,
             metrics=self.metrics, logs=self.machines.logs, lifespan=lifespan,
+            builder=self.builder, upload_secret=self.api_key.encode(),
         )
         self.app = Front(api, self.proxy, self._signed_lookup)
 
     async def start(self) -> None:
+        self.builder.recover()
         await self.orchestrator.start()
         await self.metrics.start()
         log.info("aenv server ready; API key in %s", self.api_key_file or "$AENV_API_KEY")
 
     async def close(self) -> None:
         await self.metrics.close()
+        await self.builder.close()
         await self.orchestrator.close()
         await self.proxy.close()
         self.db.close()

@@ -15,7 +15,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..orchestrator.service import Orchestrator
-from . import errors, sandboxes
+from . import errors, sandboxes, templates
 from .auth import ApiKeyMiddleware
 from .errors import ApiError, error_response
 
@@ -56,6 +56,8 @@ def create_api(
     domain: str,
     metrics: Any,
     logs: Callable[..., list[dict[str, Any]]],
+    builder: Any = None,
+    upload_secret: bytes = b"",
     lifespan: Callable[[Any], Any] | None = None,
     extra_routers: tuple = (),
 ) -> ASGIApp:
@@ -65,6 +67,8 @@ def create_api(
     app.state.domain = domain
     app.state.metrics = metrics
     app.state.logs = logs
+    app.state.builder = builder
+    app.state.upload_secret = upload_secret
     errors.install(app)
 
     @app.get("/health", status_code=204)
@@ -76,6 +80,7 @@ def create_api(
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(sandboxes.router)
+    app.include_router(templates.router)
     for router in extra_routers:
         app.include_router(router)
     return ApiKeyMiddleware(BodyLimit(app), api_key)

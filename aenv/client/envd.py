@@ -13,6 +13,7 @@ import struct
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -154,6 +155,52 @@ class EnvdClient:
             raise EnvdError("command ended without an end event")
         return CommandResult(end.get("exitCode", 0), "".join(out["stdout"]),
                              "".join(out["stderr"]), end.get("error"))
+
+
+    async def start_background(self, cmd: str, *, user: str | None = None,
+                               cwd: str | None = None,
+                               envs: dict[str, str] | None = None) -> int:
+        """Start ``cmd`` with no lifetime limit and return its pid once envd reports the
+        start; closing the stream does not stop the process."""
+        process: dict[str, Any] = {"cmd": "/bin/bash", "args": ["-l", "-c", cmd]}
+        if envs:
+            process["envs"] = envs
+        if cwd:
+            process["cwd"] = cwd
+        headers = self._headers(user, {"Content-Type": "application/connect+json",
+                                       "Connect-Protocol-Version": "1"})
+        async with self.http.stream(
+            "POST", self.base_url + "/process.Process/Start",
+            content=envelope({"process": process, "stdin": False}), headers=headers,
+        ) as r:
+            if r.status_code != 200:
+                raise EnvdError(f"Start answered {r.status_code}")
+            async for flags, msg in read_envelopes(r.aiter_bytes()):
+                if flags & 0x02:
+                    err = msg.get("error") or {}
+                    raise EnvdError(f"{err.get('code')}: {err.get('message')}")
+                start = msg.get("event", {}).get("start")
+                if start is not None:
+                    return int(start.get("pid", 0))
+        raise EnvdError("the process stream ended before the start event")
+
+    async def upload(self, remote_path: str, local: Path, *, user: str | None = None) -> None:
+        """Stream a local file to ``remote_path`` in the guest (octet-stream ``/files``)."""
+
+        async def chunks() -> AsyncIterator[bytes]:
+            with open(local, "rb") as f:
+                while block := f.read(1 << 20):
+                    yield block
+
+        params = {"path": remote_path}
+        if user:
+            params["username"] = user
+        r = await self.http.post(self.base_url + "/files", params=params, content=chunks(),
+                                 headers=self._headers(None, {
+                                     "Content-Type": "application/octet-stream"}),
+                                 timeout=httpx.Timeout(None, connect=5))
+        if r.status_code != 200:
+            raise EnvdError(f"upload of {remote_path} answered {r.status_code}: {r.text[:200]}")
 
 
 def _now_rfc3339() -> str:

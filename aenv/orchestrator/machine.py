@@ -47,5 +47,9 @@ class Machines(Protocol):
     async def resume(self, rec: SandboxRecord) -> Placement:
         """Restore a paused sandbox from ``rec.snapshot_id`` into a free slot."""
 
+    async def commit(self, rec: SandboxRecord, template_id: str) -> str:
+        """Stop the (build) VM of ``rec`` and keep its root disk as a new read-only layer
+        over its template's; returns the layer reference stored in the new template."""
+
     def logs(self, rec: SandboxRecord, start: int | None, limit: int) -> list[dict]:
         """Console lines of the sandbox's VM: ``[{"timestamp": ms, "line": str}]``."""

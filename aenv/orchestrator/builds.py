@@ -1,0 +1,309 @@
+"""Template builds: boot the parent template, run the steps through envd, commit the disk.
+
+A build follows E2B's template API: ``POST /v3/templates`` reserves a template id and a
+build id, COPY sources arrive as tar archives keyed by ``filesHash``, ``POST
+/v2/templates/{tid}/builds/{bid}`` starts the steps, and the SDK polls the status with a
+log offset. Steps run as root by default (``USER`` changes that for later steps and becomes
+the sandbox's default user); ``ENV`` and ``WORKDIR`` apply to later steps and are kept in the
+template. The result is a new read-only image layer on top of the parent's (the machines
+decide what a layer is on this host). Step names in logs and errors follow the SDK: ``base``
+for the parent, ``1``..``n`` for the steps, ``finalize`` for the commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import shlex
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..client.envd import ENVD_PORT, EnvdClient
+from ..store import BuildRecord, SandboxRecord, TemplateRecord, TemplateStore
+from .errors import Conflict, InvalidRequest, TemplateNotFound
+from .ids import new_id, new_token
+from .machine import Machines
+
+log = logging.getLogger("aenv.builds")
+
+DEFAULT_CPU = 2
+DEFAULT_MEMORY_MB = 512
+DEFAULT_DISK_MB = 4096
+READY_TIMEOUT_S = 600
+READY_INTERVAL_S = 1.0
+STEP_TYPES = {"RUN", "ENV", "ARG", "WORKDIR", "USER", "COPY", "EXPOSE", "VOLUME", "LABEL"}
+_HASH = re.compile(r"^[A-Za-z0-9]{8,128}$")
+_SAFE_GLOB = re.compile(r"^[A-Za-z0-9._/*?\[\]+@=,-]+$")
+
+
+class StepFailed(Exception):
+    def __init__(self, step: str, message: str) -> None:
+        super().__init__(message)
+        self.step = step
+
+
+@dataclass
+class BuildContext:
+    """What earlier steps set for later ones."""
+
+    user: str = "root"
+    workdir: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    default_user: str | None = None
+
+
+class Builder:
+    def __init__(self, templates: TemplateStore, machines: Machines, files_dir: Path) -> None:
+        self.templates = templates
+        self.machines = machines
+        self.files_dir = files_dir
+        self._tasks: dict[str, asyncio.Task] = {}
+
+    # -- requests -------------------------------------------------------------------------
+
+    def request(self, name: str, *, tags: list[str] | None = None,
+                cpu_count: int | None = None, memory_mb: int | None = None
+                ) -> tuple[TemplateRecord, BuildRecord, list[str]]:
+        """Reserve (or reuse, when ``name`` exists) a template and a new build."""
+        base, _, tag = name.partition(":")
+        tags = list(dict.fromkeys([tag or "default", *(tags or [])]))
+        now = time.time()
+        existing = self.templates.get(base)
+        if existing is not None and existing.kind != "template":
+            raise Conflict(f"'{base}' names a snapshot, not a template")
+        if existing is None:
+            tpl = TemplateRecord(
+                id=new_id(), kind="template", build_id="", status="waiting",
+                cpu_count=cpu_count or DEFAULT_CPU, memory_mb=memory_mb or DEFAULT_MEMORY_MB,
+                disk_size_mb=DEFAULT_DISK_MB, created_at=now, updated_at=now, names=[])
+            self.templates.insert(tpl)
+        else:
+            tpl = existing
+            if cpu_count or memory_mb:
+                self.templates.update(tpl.id, cpu_count=cpu_count or tpl.cpu_count,
+                                      memory_mb=memory_mb or tpl.memory_mb)
+        names = [base] + [f"{base}:{t}" for t in tags]
+        build = BuildRecord(id=new_id(), template_id=tpl.id, status="waiting", created_at=now,
+                            spec={"names": names})
+        self.templates.insert_build(build)
+        return self.templates.get(tpl.id) or tpl, build, tags
+
+    def file_path(self, files_hash: str) -> Path:
+        if not _HASH.match(files_hash):
+            raise InvalidRequest(f"invalid files hash '{files_hash}'")
+        return self.files_dir / f"{files_hash}.tar"
+
+    def start(self, template_id: str, build_id: str, spec: dict[str, Any]) -> None:
+        tpl = self.templates.get(template_id)
+        build = self.templates.get_build(build_id)
+        if tpl is None or build is None or build.template_id != tpl.id:
+            raise TemplateNotFound(f"{template_id}/{build_id}")
+        if build.status != "waiting":
+            raise Conflict(f"build {build_id} was already started")
+        if spec.get("fromImage"):
+            raise InvalidRequest(
+                "fromImage needs an OCI registry, which this node does not pull from; "
+                "build from a template (fromTemplate) instead")
+        parent = self.templates.get(spec.get("fromTemplate") or "base")
+        if parent is None or parent.status != "ready":
+            raise TemplateNotFound(spec.get("fromTemplate") or "base")
+        for i, step in enumerate(spec.get("steps") or [], start=1):
+            kind = step.get("type")
+            if kind not in STEP_TYPES:
+                raise InvalidRequest(f"step {i}: unknown type '{kind}'")
+            if kind == "COPY":
+                h = step.get("filesHash")
+                if not h or not self.file_path(h).exists():
+                    raise InvalidRequest(f"step {i}: files for hash '{h}' were not uploaded")
+        names = (build.spec or {}).get("names", [])
+        self.templates.update_build(build_id, status="building", spec={**spec, "names": names})
+        self.templates.update(template_id, status="building" if tpl.status != "ready"
+                              else tpl.status)
+        task = asyncio.create_task(self._run(tpl.id, build_id, parent, spec, names),
+                                   name=f"aenv-build-{build_id}")
+        self._tasks[build_id] = task
+        task.add_done_callback(lambda _: self._tasks.pop(build_id, None))
+
+    def recover(self) -> None:
+        """Builds interrupted by a restart cannot continue: mark them failed."""
+        for b in self.templates.builds_in(("waiting", "building")):
+            if b.status == "building":
+                self._fail(b.id, b.template_id, "finalize", "the server restarted during the build")
+
+    def delete(self, template_id: str) -> None:
+        """Forget a template or snapshot (its layers are freed once nothing uses them)."""
+        tpl = self.templates.get(template_id)
+        if tpl is None:
+            raise TemplateNotFound(template_id)
+        if tpl.id == "base":
+            raise InvalidRequest("the built-in template 'base' cannot be deleted")
+        self.templates.delete(tpl.id)
+
+    async def close(self) -> None:
+        for t in list(self._tasks.values()):
+            t.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+
+    # -- execution ------------------------------------------------------------------------
+
+    def _log(self, build_id: str, message: str, step: str | None = None,
+             level: str = "info") -> None:
+        self.templates.append_log(build_id, message, level=level, step=step)
+
+    def _fail(self, build_id: str, template_id: str, step: str, message: str) -> None:
+        self._log(build_id, message, step=step, level="error")
+        self.templates.update_build(build_id, status="error", reason=message, reason_step=step,
+                                    finished_at=time.time())
+        tpl = self.templates.get(template_id)
+        if tpl is not None and tpl.status != "ready":
+            self.templates.update(template_id, status="error")
+
+    async def _run(self, template_id: str, build_id: str, parent: TemplateRecord,
+                   spec: dict[str, Any], names: list[str]) -> None:
+        tpl = self.templates.get(template_id)
+        assert tpl is not None
+        vm = SandboxRecord(
+            id=new_id(), template_id=parent.id, state="building", client_id="aenv-build",
+            started_at=time.time(), end_at=time.time() + 3600, cpu_count=tpl.cpu_count,
+            memory_mb=tpl.memory_mb, disk_size_mb=tpl.disk_size_mb, env_vars=parent.env_vars,
+            envd_token=new_token(), metadata={"aenv.build": build_id})
+        ctx = BuildContext(env=dict(parent.env_vars), workdir=parent.workdir,
+                           default_user=parent.user)
+        started = False
+        step = "base"
+        try:
+            self._log(build_id, f"starting from template {parent.id}", step="base")
+            placement = await self.machines.start(vm, parent)
+            started = True
+            vm.host_ip, vm.vm_dir, vm.vm_pid, vm.slot = (
+                placement.host_ip, placement.vm_dir, placement.vm_pid, placement.slot)
+            envd = EnvdClient(f"http://{placement.host_ip}:{ENVD_PORT}", vm.envd_token)
+            try:
+                for i, s in enumerate(spec.get("steps") or [], start=1):
+                    step = str(i)
+                    await self._step(envd, build_id, step, s, ctx)
+                if spec.get("startCmd"):
+                    step = "finalize"
+                    await self._start_and_wait(envd, build_id, spec, ctx)
+            finally:
+                await envd.aclose()
+            step = "finalize"
+            self._log(build_id, "committing the root filesystem", step="finalize")
+            image = await self.machines.commit(vm, template_id)
+            started = False
+        except StepFailed as e:
+            self._fail(build_id, template_id, e.step, str(e))
+            return
+        except asyncio.CancelledError:
+            self._fail(build_id, template_id, step, "the build was cancelled")
+            raise
+        except Exception as e:
+            log.exception("build %s failed", build_id)
+            self._fail(build_id, template_id, step, f"build failed: {e}")
+            return
+        finally:
+            if started:
+                await self.machines.stop(vm)
+        self.templates.update(
+            template_id, status="ready", build_id=build_id, image=image, parent_id=parent.id,
+            env_vars=ctx.env, workdir=ctx.workdir, user=ctx.default_user,
+            start_cmd=spec.get("startCmd"), ready_cmd=spec.get("readyCmd"),
+            build_count=tpl.build_count + 1)
+        for name in names:
+            self.templates.add_name(template_id, name)
+        self.templates.update_build(build_id, status="ready", finished_at=time.time())
+        self._log(build_id, "build finished", step="finalize")
+
+    async def _step(self, envd: EnvdClient, build_id: str, step: str, s: dict[str, Any],
+                    ctx: BuildContext) -> None:
+        kind, args = s["type"], list(s.get("args") or [])
+        self._log(build_id, f"{kind} {' '.join(args)}".rstrip(), step=step)
+        if kind == "RUN":
+            if not args:
+                raise StepFailed(step, "RUN needs a command")
+            await self._run_cmd(envd, build_id, step, args[0],
+                                user=args[1] if len(args) > 1 and args[1] else ctx.user, ctx=ctx)
+        elif kind in ("ENV", "ARG"):
+            if len(args) % 2:
+                raise StepFailed(step, f"{kind} needs key/value pairs")
+            ctx.env.update(dict(zip(args[0::2], args[1::2], strict=True)))
+        elif kind == "WORKDIR":
+            if not args:
+                raise StepFailed(step, "WORKDIR needs a path")
+            await self._run_cmd(envd, build_id, step, f"mkdir -p {shlex.quote(args[0])}",
+                                user="root", ctx=ctx, cwd="/")
+            ctx.workdir = args[0]
+        elif kind == "USER":
+            if not args:
+                raise StepFailed(step, "USER needs a name")
+            name = shlex.quote(args[0])
+            await self._run_cmd(
+                envd, build_id, step,
+                f"id -u {name} >/dev/null 2>&1 || useradd --create-home --shell /bin/bash {name}",
+                user="root", ctx=ctx, cwd="/")
+            ctx.user = ctx.default_user = args[0]
+        elif kind == "COPY":
+            await self._copy(envd, build_id, step, s, ctx)
+        # EXPOSE, VOLUME, LABEL: metadata only.
+
+    async def _run_cmd(self, envd: EnvdClient, build_id: str, step: str, cmd: str, *,
+                       user: str, ctx: BuildContext, cwd: str | None = None) -> None:
+        def out(_: str, text: str) -> None:
+            for line in text.splitlines():
+                self._log(build_id, line, step=step)
+
+        result = await envd.run(cmd, user=user, cwd=cwd or ctx.workdir, envs=ctx.env,
+                                timeout=3600, on_output=out)
+        if result.exit_code != 0:
+            raise StepFailed(step, f"command failed with exit code {result.exit_code}: {cmd}")
+
+    async def _copy(self, envd: EnvdClient, build_id: str, step: str, s: dict[str, Any],
+                    ctx: BuildContext) -> None:
+        args = list(s.get("args") or []) + ["", "", "", ""]
+        src, dest, owner, mode = args[:4]
+        if not src or not dest or src.startswith("/") or ".." in src.split("/"):
+            raise StepFailed(step, f"COPY needs a relative source and a destination: {args[:2]}")
+        if not _SAFE_GLOB.match(src):
+            raise StepFailed(step, f"COPY source has unsupported characters: {src}")
+        archive = self.file_path(s["filesHash"])
+        remote = f"/tmp/aenv-build-{s['filesHash']}.tar"
+        await envd.upload(remote, archive, user="root")
+        if not dest.startswith("/"):
+            dest = f"{ctx.workdir or '/root'}/{dest}"
+        q = shlex.quote
+        owner = owner or (ctx.user if ctx.user != "root" else "")
+        script = f"""set -e
+d=$(mktemp -d)
+tar -xf {q(remote)} -C "$d"
+rm -f {q(remote)}
+dest={q(dest)}
+for f in "$d"/{src}; do
+  [ -e "$f" ] || {{ echo "no files match {src}" >&2; exit 1; }}
+  if [ -d "$f" ]; then mkdir -p "$dest"; cp -a "$f"/. "$dest"/; t="$dest"
+  else case "$dest" in */) mkdir -p "$dest"; t="$dest$(basename "$f")";;
+       *) mkdir -p "$(dirname "$dest")"; t="$dest";; esac; cp -a "$f" "$t"; fi
+  {f'chown -R {q(owner)}: "$t"' if owner else ':'}
+  {f'chmod {q(mode)} "$t"' if mode else ':'}
+done
+rm -rf "$d"
+"""
+        await self._run_cmd(envd, build_id, step, script, user="root", ctx=ctx, cwd="/")
+
+    async def _start_and_wait(self, envd: EnvdClient, build_id: str, spec: dict[str, Any],
+                              ctx: BuildContext) -> None:
+        """Start ``startCmd`` in the background and poll ``readyCmd`` until it succeeds."""
+        start, ready = spec["startCmd"], spec.get("readyCmd") or "sleep 1"
+        self._log(build_id, f"start command: {start}", step="finalize")
+        await envd.start_background(start, user=ctx.user, cwd=ctx.workdir, envs=ctx.env)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            r = await envd.run(ready, user=ctx.user, cwd=ctx.workdir, envs=ctx.env, timeout=60)
+            if r.exit_code == 0:
+                self._log(build_id, "ready command succeeded", step="finalize")
+                return
+            if time.monotonic() > deadline:
+                raise StepFailed("finalize", f"ready command did not succeed: {ready}")
+            await asyncio.sleep(READY_INTERVAL_S)
