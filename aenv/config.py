@@ -34,6 +34,8 @@ class Settings:
     # Prefix of every host object aenv creates (netns, veth, nft table), so leftovers of a
     # crash can be found and nothing else is touched.
     name_prefix: str = "aenv"
+    # Network slots kept created ahead of demand, so a sandbox start finds one ready.
+    warm_slots: int = 2
     # Which VMM drives guests: "qemu" or "firecracker".
     runtime: str = "qemu"
 
@@ -45,6 +47,7 @@ class Settings:
             host_cidr=os.environ.get("AENV_HOST_CIDR", cls.host_cidr),
             veth_cidr=os.environ.get("AENV_VETH_CIDR", cls.veth_cidr),
             name_prefix=os.environ.get("AENV_NAME_PREFIX", cls.name_prefix),
+            warm_slots=_env_int("AENV_WARM_SLOTS", cls.warm_slots),
             runtime=os.environ.get("AENV_RUNTIME", cls.runtime),
         )
 

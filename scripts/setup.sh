@@ -10,8 +10,12 @@ APT_PACKAGES=(
   ca-certificates
   e2fsprogs
   iproute2
+  nftables
   procps
+  qemu-system-x86
+  qemu-utils
   sudo
+  xfsprogs
 )
 
 missing=()

@@ -1,0 +1,286 @@
+"""``SlotPool``: hands out network slots, keeps a few warm, recycles released ones.
+
+Indices come from the range ``Addressing`` allows. A small number of slots (``warm_size``,
+default ``Settings.warm_slots``) is kept created ahead of demand by one background thread,
+so ``acquire`` is usually a list pop plus, only for a non-default egress policy, one nft
+call. ``release`` checks synchronously that the VMM let go of the tap, then the background
+thread cleans the slot (default policy, conntrack flushed in the namespace and for its host
+address on the host) and either keeps it warm or destroys it and frees the index; a slot is
+never handed out again before that cleaning finished.
+
+Every method is thread-safe and blocking; from asyncio call them through
+``asyncio.to_thread``. Run ``cleanup_leftovers`` before ``start`` after a crash, and give
+``start`` the indices ``cleanup_leftovers`` kept so they are not handed out twice.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from typing import Self
+
+from ..config import Settings
+from . import host
+from .addressing import Addressing
+from .errors import NetworkError, PoolClosedError, PoolExhaustedError, SlotBusyError
+from .policy import DEFAULT_POLICY, EgressPolicy
+from .slot import NetworkSlot
+
+log = logging.getLogger("aenv.network")
+
+_RETRY_AFTER_FAILURE = 1.0  # seconds the filler waits after a failed creation
+
+
+class SlotPool:
+    def __init__(self, settings: Settings, *, warm_size: int | None = None,
+                 tap_uid: int | None = None, tap_gid: int | None = None) -> None:
+        """``tap_uid``/``tap_gid`` own every tap, for VMMs that do not run as root."""
+        self.addressing = Addressing(settings)
+        self.warm_size = settings.warm_slots if warm_size is None else warm_size
+        if self.warm_size < 0:
+            raise ValueError("warm_size must be >= 0")
+        self._tap = {"tap_uid": tap_uid, "tap_gid": tap_gid}
+        self._cv = threading.Condition()
+        self._warm: collections.deque[NetworkSlot] = collections.deque()
+        self._leased: dict[int, NetworkSlot] = {}
+        self._dirty: collections.deque[NetworkSlot] = collections.deque()
+        self._reserved: set[int] = set()   # indices in use by someone, not free
+        self._recycled: list[int] = []     # freed indices, lowest first
+        self._next_fresh = 1
+        self._creating = 0
+        self._started = False
+        self._closed = False
+        self._worker: threading.Thread | None = None
+        self.last_error: BaseException | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self, keep: Iterable[int] = ()) -> None:
+        """Prepare the host (ip_forward, host table) and start filling the warm pool.
+        ``keep``: indices of slots that survived a restart; only ``adopt`` hands them out."""
+        host.prepare(self.addressing)
+        with self._cv:
+            if self._started:
+                return
+            self._reserved.update(keep)
+            self._started = True
+            self._worker = threading.Thread(target=self._work, name="aenv-slot-pool",
+                                            daemon=True)
+            self._worker.start()
+
+    def close(self) -> None:
+        """Stop the filler, destroy every slot this pool made or adopted (leased or not; stop
+        their VMMs first) and remove the host table: a clean shutdown leaves no trace."""
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            self._cv.notify_all()
+        if self._worker is not None:
+            self._worker.join()
+        with self._cv:
+            slots = [*self._warm, *self._dirty, *self._leased.values()]
+            self._warm.clear()
+            self._dirty.clear()
+            self._leased.clear()
+        for slot in slots:
+            try:
+                slot.destroy()
+            except NetworkError:
+                log.exception("slot %d: destroy on close failed", slot.index)
+        if self._started:
+            host.remove_table(self.addressing)
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- handing out -----------------------------------------------------------------------
+
+    def acquire(self, policy: EgressPolicy = DEFAULT_POLICY) -> NetworkSlot:
+        """A clean slot with ``policy`` applied: a warm one if any, else made now."""
+        with self._cv:
+            self._check_open()
+            slot = self._warm.popleft() if self._warm else None
+            index = None if slot is not None else self._take_index()
+            self._cv.notify_all()  # the filler tops the warm pool up again
+        if slot is None:
+            try:
+                slot = NetworkSlot.create(self.addressing, index, policy=policy, **self._tap)
+            except BaseException:
+                self._free_index(index)
+                raise
+        else:
+            try:
+                slot.set_policy(policy)
+            except BaseException:
+                self._retire(slot)
+                raise
+        return self._lease(slot)
+
+    def adopt(self, index: int, policy: EgressPolicy = DEFAULT_POLICY) -> NetworkSlot:
+        """Take over slot ``index`` that survived a server restart (see ``start(keep=)``)."""
+        with self._cv:
+            self._check_open()
+            if index in self._leased:
+                raise NetworkError(f"slot {index} is already leased")
+            self._reserved.add(index)
+        try:
+            slot = NetworkSlot.attach(self.addressing, index, policy)
+        except BaseException:
+            # Whatever is left of it is of no use: remove it so the index can be made anew.
+            self._retire(NetworkSlot(self.addressing, self.addressing.slot(index),
+                                     DEFAULT_POLICY))
+            raise
+        return self._lease(slot)
+
+    def release(self, slot: NetworkSlot) -> None:
+        """Give the slot back. Raises SlotBusyError (and keeps it leased) while a process
+        still holds its tap; the cleaning itself happens in the background. After ``close``
+        (which destroyed every slot) this does nothing."""
+        with self._cv:
+            if self._closed:
+                return
+            if self._leased.get(slot.index) is not slot:
+                raise NetworkError(f"slot {slot.index} is not leased from this pool")
+        if slot.tap_attached():
+            raise SlotBusyError(slot.index)
+        with self._cv:
+            if self._leased.pop(slot.index, None) is None:
+                return  # closed meanwhile: close destroyed it
+            self._dirty.append(slot)
+            self._cv.notify_all()
+
+    def stats(self) -> dict[str, int]:
+        with self._cv:
+            return {"warm": len(self._warm), "leased": len(self._leased),
+                    "cleaning": len(self._dirty), "creating": self._creating,
+                    "capacity": self.addressing.capacity}
+
+    def wait_warm(self, timeout: float = 10.0) -> bool:
+        """Block until the warm pool is full (for benchmarks and tests)."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while len(self._warm) < self.warm_size or self._dirty:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    return False
+                self._cv.wait(left)
+            return True
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PoolClosedError("slot pool is closed")
+        if not self._started:
+            raise NetworkError("slot pool not started")
+
+    def _lease(self, slot: NetworkSlot) -> NetworkSlot:
+        with self._cv:
+            if not self._closed:
+                self._leased[slot.index] = slot
+                return slot
+        slot.destroy()  # close ran while the slot was being made
+        raise PoolClosedError("slot pool is closed")
+
+    def _take_index(self) -> int:
+        """Lowest free index (caller holds the lock)."""
+        while self._recycled:
+            index = heapq.heappop(self._recycled)
+            if index not in self._reserved:
+                self._reserved.add(index)
+                return index
+        while self._next_fresh <= self.addressing.capacity:
+            index = self._next_fresh
+            self._next_fresh += 1
+            if index not in self._reserved:
+                self._reserved.add(index)
+                return index
+        raise PoolExhaustedError(f"all {self.addressing.capacity} network slots are in use")
+
+    def _free_index(self, index: int) -> None:
+        with self._cv:
+            self._reserved.discard(index)
+            heapq.heappush(self._recycled, index)
+            self._cv.notify_all()
+
+    def _retire(self, slot: NetworkSlot) -> None:
+        try:
+            slot.destroy()
+        finally:
+            self._free_index(slot.index)
+
+    def _work(self) -> None:
+        """The one background thread: clean released slots first, then fill the pool."""
+        while True:
+            with self._cv:
+                while not self._closed and not self._dirty and \
+                        len(self._warm) + self._creating >= self.warm_size:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                dirty = self._dirty.popleft() if self._dirty else None
+                index = None
+                if dirty is None:
+                    try:
+                        index = self._take_index()
+                    except PoolExhaustedError:
+                        self._cv.wait(_RETRY_AFTER_FAILURE)
+                        continue
+                    self._creating += 1
+            if dirty is not None:
+                self._recycle(dirty)
+            else:
+                self._fill(index)
+
+    def _recycle(self, slot: NetworkSlot) -> None:
+        keep = False
+        try:
+            with self._cv:
+                keep = len(self._warm) < self.warm_size
+            if keep:
+                slot.reset()
+        except BaseException as e:
+            self.last_error = e
+            log.exception("slot %d: reset failed, destroying it", slot.index)
+            keep = False
+        if keep:
+            with self._cv:
+                self._warm.append(slot)
+                self._cv.notify_all()
+            return
+        try:
+            self._retire(slot)
+        except BaseException as e:
+            self.last_error = e
+            log.exception("slot %d: destroy failed", slot.index)
+
+    def _fill(self, index: int) -> None:
+        try:
+            slot = NetworkSlot.create(self.addressing, index, **self._tap)
+        except BaseException as e:
+            self.last_error = e
+            log.exception("slot %d: warm creation failed", index)
+            with self._cv:
+                self._creating -= 1
+            self._free_index(index)
+            time.sleep(_RETRY_AFTER_FAILURE)
+            return
+        with self._cv:
+            self._creating -= 1
+            if self._closed:
+                closed = True
+            else:
+                closed = False
+                self._warm.append(slot)
+                self._cv.notify_all()
+        if closed:
+            self._retire(slot)

@@ -1,0 +1,120 @@
+"""nft rulesets of aenv as text: the host table and the table inside each slot namespace.
+
+Pure functions, no side effects; ``nft.apply`` loads their output. The host table replaces
+itself as a whole (``add`` + ``delete`` + definition in one transaction), so loading it
+twice, or over a leftover of a crash, gives the same state. The slot table is loaded once,
+into a namespace that was just created: it is a plain definition, because the delete in the
+replace idiom costs about 10 ms of kernel synchronisation on every slot creation.
+
+Host table ``inet <prefix>``: input from any slot veth is dropped unless it is a reply
+(the guest cannot reach host services); forwarding between two slot veths is dropped
+(sandboxes cannot reach each other); forwarding into a slot veth is allowed only for replies
+(nothing but the host itself opens connections to a sandbox); guest egress leaving through
+any other interface is masqueraded.
+
+Slot table ``inet <prefix>`` inside the namespace: the host address is DNAT-ed to the guest,
+the guest's egress is SNAT-ed to the host address (so the host routes replies back by its
+/32 route and strict rp_filter holds), the namespace itself accepts nothing new, and
+forwarding allows host->guest plus guest egress that passes ``EgressPolicy``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable
+
+from .addressing import Addressing, SlotAddresses
+from .guest_link import GUEST_IP, NS_VETH_NAME, TAP_NAME
+from .policy import PRIVATE_RANGES, EgressPolicy
+
+_REJECT = "reject with icmpx type admin-prohibited"
+
+
+def _set(cidrs: Iterable[str]) -> str:
+    nets = ipaddress.collapse_addresses(ipaddress.IPv4Network(c) for c in cidrs)
+    return "{ " + ", ".join(str(n) for n in nets) + " }"
+
+
+def _table(family: str, table: str, body: str) -> str:
+    return f"table {family} {table} {{\n{body}}}\n"
+
+
+def _replace(family: str, table: str, body: str) -> str:
+    return f"add table {family} {table}\ndelete table {family} {table}\n" + \
+        _table(family, table, body)
+
+
+def host_table(a: Addressing) -> str:
+    veths = f'"{a.veth_glob}"'
+    return _replace("inet", a.table, f"""\
+    chain input {{
+        type filter hook input priority filter - 10; policy accept;
+        iifname {veths} ct state established,related accept
+        iifname {veths} drop
+    }}
+    chain forward {{
+        type filter hook forward priority filter - 10; policy accept;
+        iifname {veths} oifname {veths} drop
+        oifname {veths} ct state established,related accept
+        oifname {veths} drop
+    }}
+    chain postrouting {{
+        type nat hook postrouting priority srcnat; policy accept;
+        ip saddr {a.host_net} oifname != {veths} masquerade
+    }}
+""")
+
+
+def _user_rules(policy: EgressPolicy) -> list[str]:
+    rules = []
+    if policy.allow_out:
+        rules.append(f"ip daddr {_set(policy.allow_out)} accept")
+    if policy.deny_out:
+        rules.append(f"ip daddr {_set(policy.deny_out)} {_REJECT}")
+    if not policy.allow_internet:
+        rules.append(_REJECT)
+    return rules
+
+
+def slot_table(a: Addressing, s: SlotAddresses, policy: EgressPolicy) -> str:
+    user = "".join(f"        {r}\n" for r in _user_rules(policy))
+    return _table("inet", a.table, f"""\
+    chain prerouting {{
+        type nat hook prerouting priority dstnat; policy accept;
+        iifname "{NS_VETH_NAME}" ip daddr {s.host_ip} dnat ip to {GUEST_IP}
+    }}
+    chain postrouting {{
+        type nat hook postrouting priority srcnat; policy accept;
+        oifname "{NS_VETH_NAME}" ip saddr {GUEST_IP} snat ip to {s.host_ip}
+    }}
+    chain input {{
+        type filter hook input priority filter; policy drop;
+        iif "lo" accept
+        ct state established,related accept
+    }}
+    chain forward {{
+        type filter hook forward priority filter; policy drop;
+        ct state established,related accept
+        iifname "{NS_VETH_NAME}" oifname "{TAP_NAME}" ip daddr {GUEST_IP} ct status dnat accept
+        iifname "{TAP_NAME}" oifname "{NS_VETH_NAME}" ip saddr {GUEST_IP} jump egress
+    }}
+    chain egress {{
+        ip daddr {_set([str(a.host_net), str(a.veth_net)])} {_REJECT}
+        jump egress_user
+        ip daddr {_set(PRIVATE_RANGES)} {_REJECT}
+        accept
+    }}
+    chain egress_user {{
+{user}    }}
+""")
+
+
+def policy_update(a: Addressing, policy: EgressPolicy) -> str:
+    """Replace only the user part of a slot's egress rules (one transaction)."""
+    lines = [f"flush chain inet {a.table} egress_user"]
+    lines += [f"add rule inet {a.table} egress_user {r}" for r in _user_rules(policy)]
+    return "\n".join(lines) + "\n"
+
+
+def delete_table(family: str, name: str) -> str:
+    return f"delete table {family} {name}\n"

@@ -1,0 +1,254 @@
+"""Stand-ins for network tests: unique names, sockets in namespaces, a guest, an internet.
+
+Everything runs on this machine only, inside namespaces made here. The session uses its own
+name prefix and address ranges (derived from the pid), so it never touches the objects of
+a running aenv or of another test session.
+
+The stand-in guest is what a VMM would be: it opens the slot's ``tap0`` and relays frames
+to a tap in a namespace of its own, where ``169.254.0.21`` (with the fixed guest MAC) lives.
+Taps without offloads on both ends carry complete frames with computed checksums, so the
+relay is two ``read``/``write`` calls.
+"""
+
+
+from __future__ import annotations
+
+import fcntl
+import os
+import select
+import socket
+import struct
+import threading
+from pathlib import Path
+
+from pyroute2 import IPRoute
+
+from aenv.config import Settings
+from aenv.network import GUEST_IP, GUEST_MAC, TAP_IP, NetworkSlot
+from aenv.network import netns as ns
+
+_K = os.getpid() % 100
+PREFIX = f"at{os.getpid() % 100000:05d}"   # aenv objects of this session
+HELPER = f"hx{os.getpid() % 100000:05d}"   # test-only objects (guests, the fake internet)
+HOST_CIDR = f"10.{100 + _K}.0.0/24"
+VETH_CIDR = f"10.{100 + _K}.1.0/24"
+# A second aenv on the same host, and a range with room for three slots only.
+OTHER_HOST_CIDR = f"10.{100 + _K}.2.0/24"
+OTHER_VETH_CIDR = f"10.{100 + _K}.3.0/24"
+TINY_HOST_CIDR = f"10.{100 + _K}.4.0/29"
+TINY_VETH_CIDR = f"10.{100 + _K}.4.8/29"
+# The fake internet: a /30 of TEST-NET-2 per session, and a private /24 behind it.
+INET_HOST_IP = f"198.51.100.{4 * (_K % 60) + 1}"
+INET_PEER_IP = f"198.51.100.{4 * (_K % 60) + 2}"
+INET_PRIVATE_NET = f"192.168.{200 + _K % 50}.0/24"
+INET_PRIVATE_IP = f"192.168.{200 + _K % 50}.1"
+
+_TUNSETIFF = 0x400454CA
+_IFF_TAP = 0x0002
+_IFF_NO_PI = 0x1000
+
+
+def make_settings(tmp: Path, **overrides: object) -> Settings:
+    """Settings of this session: its own prefix and ranges, no warm slots unless asked."""
+    fields: dict[str, object] = {"home": tmp, "host_cidr": HOST_CIDR, "veth_cidr": VETH_CIDR,
+                                 "name_prefix": PREFIX, "warm_slots": 0}
+    fields.update(overrides)
+    return Settings(**fields)  # type: ignore[arg-type]
+
+
+# -- sockets in namespaces ---------------------------------------------------------------
+
+
+def ns_socket(netns: str | None, kind: int = socket.SOCK_STREAM) -> socket.socket:
+    """A socket living in ``netns`` (None: the host)."""
+    def make() -> socket.socket:
+        return socket.socket(socket.AF_INET, kind)
+
+    return make() if netns is None else ns.run_in(netns, make)
+
+
+class Listener:
+    """TCP server answering every connection with ``<tag> <peer address>``."""
+
+    def __init__(self, netns: str | None, ip: str, port: int, tag: str) -> None:
+        self.tag = tag
+        self.sock = ns_socket(netns)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((ip, port))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, peer = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.sendall(f"{self.tag} {peer[0]}\n".encode())
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        self._thread.join(2)
+
+
+def connect(netns: str | None, ip: str, port: int, timeout: float = 3.0) -> str:
+    """Connect from ``netns`` and return the listener's answer; raises OSError if blocked."""
+    s = ns_socket(netns)
+    s.settimeout(timeout)
+    try:
+        s.connect((ip, port))
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = s.recv(256)
+            if not chunk:
+                break
+            data += chunk
+        return data.decode().strip()
+    finally:
+        s.close()
+
+
+def blocked(netns: str | None, ip: str, port: int, timeout: float = 1.0) -> bool:
+    try:
+        connect(netns, ip, port, timeout)
+    except OSError:
+        return True
+    return False
+
+
+# -- the stand-in guest ------------------------------------------------------------------
+
+
+def attach_tap(fd: int, name: str) -> None:
+    """Attach an open /dev/net/tun descriptor to the tap ``name`` (creating it if new)."""
+    fcntl.ioctl(fd, _TUNSETIFF, struct.pack("16sH22x", name.encode(), _IFF_TAP | _IFF_NO_PI))
+
+
+def open_tap(name: str) -> int:
+    fd = os.open("/dev/net/tun", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        attach_tap(fd, name)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+class FakeGuest:
+    """A guest for ``slot``: holds its tap like a VMM and answers on GUEST_IP."""
+
+    def __init__(self, slot: NetworkSlot) -> None:
+        self.slot = slot
+        self.netns = f"{HELPER}-g{slot.index}"
+        self._fds: list[int] = []
+        self._stop_r, self._stop_w = os.pipe()
+        try:
+            self._fds.append(ns.create(self.netns, self._setup))
+            self._fds.append(ns.run_in(slot.netns, lambda: open_tap(slot.tap_name)))
+        except BaseException:
+            self.close()
+            raise
+        self._thread = threading.Thread(target=self._relay, daemon=True)
+        self._thread.start()
+
+    def _setup(self) -> int:
+        ns.sysctl("net.ipv6.conf.all.disable_ipv6", 1)
+        ns.sysctl("net.ipv6.conf.default.disable_ipv6", 1)
+        fd = open_tap("eth0")
+        with IPRoute() as ipr:
+            ipr.link("set", index=1, state="up")
+            eth = ipr.link_lookup(ifname="eth0")[0]
+            ipr.link("set", index=eth, address=GUEST_MAC, state="up")
+            ipr.addr("add", index=eth, address=GUEST_IP, prefixlen=30)
+            ipr.route("add", dst="0.0.0.0/0", gateway=TAP_IP)
+        return fd
+
+    def _relay(self) -> None:
+        guest, tap = self._fds
+        peer = {guest: tap, tap: guest}
+        while True:
+            ready, _, _ = select.select([guest, tap, self._stop_r], [], [])
+            if self._stop_r in ready:
+                return
+            for fd in ready:
+                try:
+                    os.write(peer[fd], os.read(fd, 65536))
+                except OSError:
+                    pass  # a frame the other side refused; like a lossy wire
+
+    def detach(self) -> None:
+        """Stop relaying and let go of the slot's tap (as a VMM exiting would)."""
+        if hasattr(self, "_thread") and self._thread.is_alive():
+            os.write(self._stop_w, b"x")
+            self._thread.join(2)
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()
+
+    def close(self) -> None:
+        """Detach and remove the guest's namespace. Idempotent."""
+        if self._stop_r < 0:
+            return
+        self.detach()
+        os.close(self._stop_r)
+        os.close(self._stop_w)
+        self._stop_r = self._stop_w = -1
+        ns.remove(self.netns)
+
+
+# -- the fake internet -------------------------------------------------------------------
+
+
+class FakeInternet:
+    """A namespace reached from the host through a veth, holding a public (TEST-NET-2)
+    address and a private one, each with its own listener."""
+
+    netns = f"{HELPER}-inet"
+    host_veth = f"{HELPER}i"
+
+    def __init__(self) -> None:
+        host_fd = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+        try:
+            ns.create(self.netns, lambda: self._setup(host_fd))
+        except BaseException:
+            self._remove()
+            raise
+        finally:
+            os.close(host_fd)
+        with IPRoute() as ipr:
+            v = ipr.link_lookup(ifname=self.host_veth)[0]
+            ipr.addr("add", index=v, address=INET_HOST_IP, prefixlen=30)
+            ipr.link("set", index=v, state="up")
+            ipr.route("add", dst=INET_PRIVATE_NET, gateway=INET_PEER_IP, oif=v)
+        self.public = Listener(self.netns, INET_PEER_IP, 0, "internet")
+        self.private = Listener(self.netns, INET_PRIVATE_IP, 0, "private")
+
+    def _setup(self, host_fd: int) -> None:
+        with IPRoute() as ipr:
+            ipr.link("set", index=1, state="up")
+            ipr.link("add", ifname="eth0", kind="veth",
+                     peer={"ifname": self.host_veth, "net_ns_fd": host_fd})
+            eth = ipr.link_lookup(ifname="eth0")[0]
+            ipr.addr("add", index=eth, address=INET_PEER_IP, prefixlen=30)
+            ipr.addr("add", index=1, address=INET_PRIVATE_IP, prefixlen=24)
+            ipr.link("set", index=eth, state="up")
+
+    def _remove(self) -> None:
+        with IPRoute() as ipr:
+            if ipr.link_lookup(ifname=self.host_veth):
+                ipr.link("del", ifname=self.host_veth)
+        ns.remove(self.netns)
+
+    def close(self) -> None:
+        self.public.close()
+        self.private.close()
+        self._remove()
+
+

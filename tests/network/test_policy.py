@@ -1,0 +1,52 @@
+"""Egress policies: validation, and the order their rules take in the slot table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from aenv.config import Settings
+from aenv.network import DEFAULT_POLICY, EgressPolicy, PolicyError, rulesets
+from aenv.network.addressing import Addressing
+
+
+def test_entries_are_normalised_and_deduplicated():
+    p = EgressPolicy.build(allow_out=["8.8.8.8", "10.1.2.3/8", "8.8.8.8/32"])
+    assert p.allow_out == ("8.8.8.8/32", "10.0.0.0/8")
+
+
+@pytest.mark.parametrize("entry", ["example.com", "2001:db8::/32", "10.0.0.0/33", ""])
+def test_entries_that_are_not_ipv4_cidrs_are_refused(entry):
+    with pytest.raises(PolicyError) as e:
+        EgressPolicy.build(deny_out=[entry])
+    assert e.value.entry == entry
+
+
+def test_default_policy_adds_no_user_rules():
+    assert DEFAULT_POLICY.is_default
+    assert rulesets.policy_update(_addressing(), DEFAULT_POLICY).splitlines() == [
+        "flush chain inet aenv egress_user"]
+
+
+def _addressing() -> Addressing:
+    return Addressing(Settings(home=Path("/nonexistent")))
+
+
+def test_allow_comes_before_deny_and_deny_before_the_final_refusal():
+    p = EgressPolicy.build(allow_out=["1.1.1.1"], deny_out=["1.0.0.0/8"], allow_internet=False)
+    rules = rulesets.policy_update(_addressing(), p).splitlines()[1:]
+    assert [r.split()[-1] if "accept" in r else "reject" for r in rules] == \
+        ["accept", "reject", "reject"]
+    assert "1.1.1.1/32" in rules[0] and "1.0.0.0/8" in rules[1]
+    assert rules[2].endswith("egress_user reject with icmpx type admin-prohibited")
+
+
+def test_aenv_ranges_are_refused_before_user_rules_and_private_ones_after():
+    a = _addressing()
+    table = rulesets.slot_table(a, a.slot(1), DEFAULT_POLICY)
+    egress = table[table.index("chain egress {"):]
+    own = egress.index("10.11.0.0/16, 10.12.0.0/16")
+    user = egress.index("jump egress_user")
+    private = egress.index("192.168.0.0/16")
+    assert own < user < private

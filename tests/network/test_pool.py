@@ -1,0 +1,200 @@
+"""SlotPool: warm slots, index allocation, recycling only after cleaning, shutdown."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from pyroute2 import IPRoute
+
+from aenv.network import (
+    EgressPolicy,
+    NetworkError,
+    PoolClosedError,
+    PoolExhaustedError,
+    SlotBusyError,
+    SlotPool,
+    nft,
+)
+from aenv.network import netns as ns
+
+from .helpers import (
+    GUEST_IP,
+    INET_PEER_IP,
+    TINY_HOST_CIDR,
+    TINY_VETH_CIDR,
+    Listener,
+    blocked,
+    connect,
+    make_settings,
+)
+
+pytestmark = pytest.mark.net
+
+
+@pytest.fixture
+def pool_factory(tmp_path):
+    pools: list[SlotPool] = []
+
+    def make(warm: int = 0, **overrides) -> SlotPool:
+        pool = SlotPool(make_settings(tmp_path, **overrides), warm_size=warm)
+        pools.append(pool)
+        pool.start()
+        return pool
+
+    yield make
+    for pool in pools:
+        pool.close()
+
+
+def test_warm_pool_fills_to_its_size_and_refills_after_acquire(pool_factory):
+    pool = pool_factory(warm=2)
+    assert pool.wait_warm()
+    assert pool.stats()["warm"] == 2
+    slot = pool.acquire()
+    assert ns.exists(slot.netns)
+    assert pool.wait_warm()
+    assert pool.stats() | {"capacity": 0} == {"warm": 2, "leased": 1, "cleaning": 0,
+                                              "creating": 0, "capacity": 0}
+
+
+def test_acquire_without_warm_slots_creates_one(pool_factory):
+    pool = pool_factory(warm=0)
+    slot = pool.acquire(EgressPolicy.build(allow_internet=False))
+    assert slot.index == 1
+    assert not slot.policy.allow_internet
+
+
+def test_a_warm_slot_gets_the_requested_policy(pool_factory, make_guest, internet):
+    pool = pool_factory(warm=1)
+    assert pool.wait_warm()
+    slot = pool.acquire(EgressPolicy.build(allow_internet=False))
+    guest = make_guest(slot)
+    assert blocked(guest.netns, INET_PEER_IP, internet.public.port)
+
+
+def test_concurrent_acquires_get_distinct_slots(pool_factory):
+    pool = pool_factory(warm=2)
+    got, errors = [], []
+
+    def take():
+        try:
+            got.append(pool.acquire())
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=take) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len({s.index for s in got}) == 6
+    assert len({s.host_ip for s in got}) == 6
+
+
+def test_released_slot_comes_back_clean(pool_factory, make_guest, internet):
+    # Three slots in all, one kept warm: the released one is the only way to refill.
+    pool = pool_factory(warm=1, host_cidr=TINY_HOST_CIDR, veth_cidr=TINY_VETH_CIDR)
+    first = pool.acquire(EgressPolicy.build(allow_internet=False))
+    others = [pool.acquire() for _ in range(2)]
+    assert {s.index for s in others} == {2, 3}
+    guest = make_guest(first)
+    assert blocked(guest.netns, INET_PEER_IP, internet.public.port)
+    guest.close()
+    pool.release(first)
+    assert pool.wait_warm()
+    again = pool.acquire()
+    assert again.index == first.index
+    assert again.policy.is_default
+    guest2 = make_guest(again)
+    assert connect(guest2.netns, INET_PEER_IP, internet.public.port).startswith("internet ")
+
+
+def test_release_refuses_while_a_vmm_holds_the_tap(pool_factory, make_guest):
+    pool = pool_factory()
+    slot = pool.acquire()
+    guest = make_guest(slot)
+    with pytest.raises(SlotBusyError):
+        pool.release(slot)
+    assert pool.stats()["leased"] == 1
+    guest.detach()
+    pool.release(slot)
+    assert pool.stats()["leased"] == 0
+
+
+def test_released_slots_beyond_the_warm_size_are_destroyed(pool_factory):
+    pool = pool_factory(warm=0)
+    slot = pool.acquire()
+    pool.release(slot)
+    assert pool.wait_warm()
+    assert not ns.exists(slot.netns)
+    assert pool.acquire().index == slot.index  # its index is free again
+
+
+def test_exhausted_range_raises(pool_factory):
+    # A /29 of veth addresses holds three /31 pairs after index 0.
+    pool = pool_factory(host_cidr=TINY_HOST_CIDR, veth_cidr=TINY_VETH_CIDR)
+    slots = [pool.acquire() for _ in range(pool.addressing.capacity)]
+    assert len(slots) == 3
+    with pytest.raises(PoolExhaustedError):
+        pool.acquire()
+
+
+def test_adopt_takes_over_a_slot_kept_over_a_restart(tmp_path, make_guest):
+    settings = make_settings(tmp_path)
+    first = SlotPool(settings)
+    first.start()
+    slot = first.acquire()
+    guest = make_guest(slot)
+    lis = Listener(guest.netns, GUEST_IP, 8080, "kept")
+    try:
+        # The server dies; the next one keeps the slot its store says is still running.
+        second = SlotPool(settings)
+        second.start(keep=[slot.index])
+        try:
+            fresh = second.acquire()
+            assert fresh.index != slot.index
+            adopted = second.adopt(slot.index)
+            assert connect(None, adopted.host_ip, 8080).startswith("kept ")
+            with pytest.raises(NetworkError):
+                second.adopt(slot.index)
+        finally:
+            lis.close()
+            guest.close()
+            second.close()
+    finally:
+        first.close()
+
+
+def test_close_removes_every_slot_and_the_host_table(tmp_path):
+    pool = SlotPool(make_settings(tmp_path), warm_size=2)
+    pool.start()
+    leased = pool.acquire()
+    assert pool.wait_warm()
+    pool.close()
+    assert not ns.exists(leased.netns)
+    prefix = pool.addressing.prefix
+    assert not [n for n in ns.list_names() if n.startswith(prefix + "-")]
+    with IPRoute() as ipr:
+        assert not [link for link in ipr.get_links()
+                    if link.get_attr("IFLA_IFNAME").startswith(prefix + "-")]
+    assert ("inet", prefix) not in nft.list_tables()
+    with pytest.raises(PoolClosedError):
+        pool.acquire()
+
+
+def test_adopting_a_slot_that_is_gone_fails_and_frees_its_index(pool_factory):
+    pool = pool_factory()
+    with pytest.raises(NetworkError):
+        pool.adopt(1)
+    assert pool.acquire().index == 1
+
+
+def test_release_after_close_does_nothing(tmp_path):
+    pool = SlotPool(make_settings(tmp_path))
+    pool.start()
+    slot = pool.acquire()
+    pool.close()
+    pool.release(slot)
+    assert not ns.exists(slot.netns)
