@@ -16,7 +16,9 @@ import re
 from types import ModuleType
 from typing import Any
 
+from connectrpc.code import Code
 from connectrpc.codec import proto_json_codec
+from connectrpc.errors import ConnectError
 from connectrpc.compression import Compression
 from connectrpc.method import IdempotencyLevel, MethodInfo
 from connectrpc.server import ConnectASGIApplication, Endpoint
@@ -35,6 +37,26 @@ READ_MAX_BYTES = 16 * 1024 * 1024
 def snake_case(name: str) -> str:
     """``GetWatcherEvents`` -> ``get_watcher_events``."""
     return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+class _TolerantJSON:
+    """connectrpc's JSON codec, with undecodable bodies answered as ``invalid_argument``
+    (connectrpc would let the decode error escape as a 500)."""
+
+    def __init__(self) -> None:
+        self._inner = proto_json_codec()
+
+    def name(self) -> str:
+        return self._inner.name()
+
+    def encode(self, message: Any) -> bytes:
+        return self._inner.encode(message)
+
+    def decode(self, data: bytes | bytearray, message_class: type) -> Any:
+        try:
+            return self._inner.decode(data, message_class)
+        except Exception as e:
+            raise ConnectError(Code.INVALID_ARGUMENT, f"invalid request body: {e}") from None
 
 
 class ConnectService(ConnectASGIApplication[Any]):
@@ -63,7 +85,7 @@ class ConnectService(ConnectASGIApplication[Any]):
         super().__init__(
             service=service,
             endpoints=endpoints,
-            codecs=[proto_json_codec()],
+            codecs=[_TolerantJSON()],
             compressions=list[Compression](),
             read_max_bytes=READ_MAX_BYTES,
         )

@@ -1,0 +1,126 @@
+"""Helpers shared by the benchmark scripts: latency summaries, the one-JSON-object output,
+and an envd started on the host for the length of a benchmark.
+
+Each benchmark prints exactly one JSON object on stdout (figures in milliseconds unless a
+key says otherwise); progress and notes go to stderr. Timings on the shared 2-core
+development machine are noisy: compare runs, not single numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def percentile(values: list[float], p: float) -> float:
+    """Nearest-rank percentile (``p`` in 0..100) of a non-empty list."""
+    ordered = sorted(values)
+    rank = max(1, math.ceil(p / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def summary(ms: list[float]) -> dict[str, float]:
+    """n, p50, p99, min, max of a list of milliseconds, rounded to 0.01 ms."""
+    return {"n": len(ms), "p50": round(percentile(ms, 50), 2), "p99": round(percentile(ms, 99), 2),
+            "min": round(min(ms), 2), "max": round(max(ms), 2)}
+
+
+def emit(result: dict[str, Any]) -> None:
+    """Print the benchmark's one JSON object."""
+    json.dump(result, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Envd:
+    """``python -m aenv.envd`` on 127.0.0.1, initialised as the orchestrator does (default
+    user, ``E2B_SANDBOX=true``, and an access token unless ``access_token=False``). Use as
+    a context manager; the process group is always stopped."""
+
+    def __init__(self, *args: str, default_user: str = "user", access_token: bool = True,
+                 log_path: Path | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.token = secrets.token_hex(16) if access_token else None
+        self.default_user = default_user
+        self._args = ["--default-user", default_user, *args]
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> Envd:
+        self.proc = spawn_envd(self.port, *self._args, log_path=self.log_path)
+        try:
+            wait_healthy(self.url, self.proc)
+            body: dict[str, Any] = {"defaultUser": self.default_user,
+                                    "envVars": {"E2B_SANDBOX": "true"}}
+            if self.token:
+                body["accessToken"] = self.token
+            httpx.post(self.url + "/init", json=body, timeout=10).raise_for_status()
+        except BaseException:
+            stop(self.proc)
+            raise
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        if self.proc is not None:
+            stop(self.proc)
+
+
+def spawn_envd(port: int, *args: str, log_path: Path | None = None) -> subprocess.Popen[bytes]:
+    """Start envd in its own process group; its output goes to ``log_path`` or nowhere."""
+    cmd = [sys.executable, "-m", "aenv.envd", "--host", "127.0.0.1", "--port", str(port), *args]
+    if log_path is None:
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+    with open(log_path, "wb") as log:  # the child keeps its own copy
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0,
+                 poll_s: float = 0.002) -> None:
+    """Poll ``GET /health`` until it answers 204."""
+    deadline = time.monotonic() + timeout
+    with httpx.Client(timeout=1.0) as client:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"envd exited with {proc.returncode} before answering")
+            try:
+                if client.get(url + "/health").status_code == 204:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(poll_s)
+    raise TimeoutError(f"{url}/health did not answer within {timeout}s")
+
+
+def stop(proc: subprocess.Popen[bytes], grace: float = 5.0) -> None:
+    """SIGTERM the process group, then SIGKILL whatever is left of it."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+    proc.wait()
