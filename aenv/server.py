@@ -7,6 +7,7 @@ API and proxy behind one listener. Everything with behaviour lives in those pack
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from .orchestrator.metrics import MetricsCollector
 from .orchestrator.service import Limits, Orchestrator
 from .proxy import ProxyRouter, Route, RouteTable
 from .proxy.front import Front
-from .store import Database, SandboxStore, TemplateStore
+from .store import Database, SandboxStore, TemplateRecord, TemplateStore
 
 log = logging.getLogger("aenv.server")
 
@@ -34,6 +35,9 @@ class ServerOptions:
     limits: Limits = Limits()
     ttl_interval: float = 1.0
     metrics_interval: float = 5.0
+    default_cpu: int = 1
+    default_memory_mb: int = 512
+    default_disk_mb: int = 2048
 
 
 class Server:
@@ -71,15 +75,30 @@ class Server:
         self.app = Front(api, self.proxy, self._signed_lookup)
 
     async def start(self) -> None:
+        live = self.sandboxes.live()
+        await self.machines.prepare({r.slot for r in live if r.slot is not None},
+                                    {r.id for r in live if r.vm_dir})
+        self._builtin_templates()
         self.builder.recover()
         await self.orchestrator.start()
         await self.metrics.start()
         log.info("aenv server ready; API key in %s", self.api_key_file or "$AENV_API_KEY")
 
+    def _builtin_templates(self) -> None:
+        """``base`` exists out of the box: the node's base image with default size."""
+        if self.templates.get("base") is None:
+            now = time.time()
+            self.templates.insert(TemplateRecord(
+                id="base", kind="template", build_id="builtin", status="ready",
+                cpu_count=self.options.default_cpu, memory_mb=self.options.default_memory_mb,
+                disk_size_mb=self.options.default_disk_mb, created_at=now, updated_at=now,
+                names=["base"], user="user"))
+
     async def close(self) -> None:
         await self.metrics.close()
         await self.builder.close()
         await self.orchestrator.close()
+        await self.machines.close()
         await self.proxy.close()
         self.db.close()
 

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 
@@ -65,7 +65,7 @@ class Envd:
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def __enter__(self) -> Envd:
+    def __enter__(self) -> Self:
         self.proc = spawn_envd(self.port, *self._args, log_path=self.log_path)
         try:
             wait_healthy(self.url, self.proc)

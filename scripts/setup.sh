@@ -7,15 +7,25 @@ cd "$(dirname "$0")/.."
 
 # Debian packages the project needs on the host. Keep sorted; say why in the commit.
 APT_PACKAGES=(
+  bc
+  bison
   ca-certificates
+  cpio
+  debootstrap
   e2fsprogs
+  flex
+  gcc
   iproute2
+  libelf-dev
+  lz4
+  make
   nftables
   procps
   qemu-system-x86
   qemu-utils
   sudo
   xfsprogs
+  zstd
 )
 
 missing=()

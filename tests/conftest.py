@@ -80,6 +80,31 @@ class Envd:
 
 
 @pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """The session's aenv server with host-process sandboxes (tests/aenv_server.py),
+    shared by every directory; imported lazily so envd-only runs do not load the server."""
+    from tests.aenv_server import RunningServer
+
+    s = RunningServer(tmp_path_factory)
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def api_env(server, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """The E2B SDK's variables pointed at ``server``."""
+    env = {
+        "E2B_API_KEY": server.server.api_key,
+        "E2B_API_URL": server.url,
+        "E2B_SANDBOX_URL": server.url,
+        "E2B_DOMAIN": "localhost",
+    }
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return env
+
+
+@pytest.fixture(scope="session")
 def envd_factory() -> Iterator[type[Envd]]:
     started: list[Envd] = []
 

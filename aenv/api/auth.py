@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hmac
 import os
+import re
 import secrets
 from pathlib import Path
 
@@ -16,6 +17,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from .errors import error_response
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
+# COPY archives are PUT by the SDK without an API key; that URL carries its own HMAC token.
+_SIGNED_UPLOAD = re.compile(r"^/templates/[^/]+/files/[^/]+/upload$")
 
 
 def load_api_key(secrets_dir: Path) -> tuple[str, Path | None]:
@@ -40,7 +43,10 @@ class ApiKeyMiddleware:
         self.key = key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        if path in OPEN_PATHS or (scope["method"] == "PUT" and _SIGNED_UPLOAD.match(path)):
             return await self.app(scope, receive, send)
         given = [v for k, v in scope["headers"] if k == b"x-api-key"]
         if len(given) != 1 or not hmac.compare_digest(given[0], self.key):

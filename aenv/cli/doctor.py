@@ -17,4 +17,9 @@ def doctor() -> None:
     """Check the host: kernel, virtualization, storage, networking."""
     table = Table("check", "result")
     table.add_row("kernel", platform.release())
+    from aenv import runtime
+    from aenv.storage import disks
+
+    for check, result in [*runtime.doctor_checks(), *disks.doctor_checks()]:
+        table.add_row(check, result)
     Console().print(table)

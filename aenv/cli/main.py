@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import typer
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__.splitlines()[0])
+app = typer.Typer(no_args_is_help=True, add_completion=False,
+                  help="aenv: microVM sandboxes for AI agents and RL, speaking the E2B API.")
 
 
 @app.callback()
@@ -17,9 +18,13 @@ def _main() -> None:
 
 
 def _register() -> None:
-    from . import doctor
+    from . import doctor, images, sandbox, server, template
 
     doctor.register(app)
+    images.register(app)
+    sandbox.register(app)
+    server.register(app)
+    template.register(app)
 
 
 _register()

@@ -185,9 +185,11 @@ class Builder:
                 for i, s in enumerate(spec.get("steps") or [], start=1):
                     step = str(i)
                     await self._step(envd, build_id, step, s, ctx)
+                step = "finalize"
                 if spec.get("startCmd"):
-                    step = "finalize"
                     await self._start_and_wait(envd, build_id, spec, ctx)
+                # The guest's page cache must reach the disk before it becomes a layer.
+                await self._run_cmd(envd, build_id, step, "sync", user="root", ctx=ctx, cwd="/")
             finally:
                 await envd.aclose()
             step = "finalize"

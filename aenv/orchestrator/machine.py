@@ -28,6 +28,13 @@ class Machines(Protocol):
     #: Whether ``pause``/``resume`` work on this node (TTL expiry kills otherwise).
     can_pause: bool
 
+    async def prepare(self, keep_slots: set[int], keep_vms: set[str]) -> None:
+        """Get the node ready before recovery: host resources, leftovers of a crashed run
+        removed except what sandboxes that may be re-attached still use."""
+
+    async def close(self) -> None:
+        """The server stops; running VMs are left running for the next start to adopt."""
+
     async def start(self, rec: SandboxRecord, template: TemplateRecord) -> Placement:
         """Boot (or restore) a VM for ``rec`` and return once envd answered ``/init``.
         On failure everything made so far is released before raising."""

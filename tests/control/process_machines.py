@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 from aenv.client.envd import ENVD_PORT, EnvdClient
+from aenv.orchestrator.errors import Unsupported
 from aenv.orchestrator.machine import Placement
 from aenv.store import SandboxRecord, TemplateRecord
 from tests.conftest import ROOT, stop_process
@@ -23,6 +24,12 @@ class ProcessMachines:
         self.procs: dict[str, subprocess.Popen] = {}
         self._next = 2
         self.fail_next_start = False
+
+    async def prepare(self, keep_slots: set[int], keep_vms: set[str]) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
 
     async def start(self, rec: SandboxRecord, template: TemplateRecord) -> Placement:
         if self.fail_next_start:
@@ -54,15 +61,20 @@ class ProcessMachines:
         if proc is not None:
             stop_process(proc, grace=2)
 
+    async def commit(self, rec: SandboxRecord, template_id: str) -> str:
+        """A build ends here: there is no disk to keep, so no layer either."""
+        await self.stop(rec)
+        return ""
+
     async def reattach(self, rec: SandboxRecord) -> bool:
         proc = self.procs.get(rec.id)
         return proc is not None and proc.poll() is None
 
     async def pause(self, rec: SandboxRecord, memory: bool) -> str:
-        raise NotImplementedError
+        raise Unsupported("host-process sandboxes cannot pause")
 
     async def resume(self, rec: SandboxRecord) -> Placement:
-        raise NotImplementedError
+        raise Unsupported("host-process sandboxes cannot resume")
 
     def logs(self, rec: SandboxRecord, start: int | None, limit: int) -> list[dict]:
         return []

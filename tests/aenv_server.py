@@ -1,11 +1,15 @@
 """An ``aenv`` server (API + proxy + orchestrator) whose sandboxes are envd processes on
-the host (see process_machines.py), for fast control-plane tests with the real SDK."""
+the host (see tests/control/process_machines.py), for fast control-plane and CLI tests.
+
+The ``server`` and ``api_env`` fixtures in tests/conftest.py hand out one instance per
+test session: every test directory shares it, because the process "VMs" of two servers
+would compete for the same loopback addresses.
+"""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 import uvicorn
@@ -14,8 +18,7 @@ from aenv.config import Settings
 from aenv.server import Server, ServerOptions
 from aenv.store import TemplateRecord
 from tests.conftest import free_port, wait_http
-
-from .process_machines import ProcessMachines
+from tests.control.process_machines import ProcessMachines
 
 
 class RunningServer:
@@ -40,23 +43,3 @@ class RunningServer:
         self.uv.should_exit = True
         self.thread.join(10)
         self.machines.stop_all()
-
-
-@pytest.fixture(scope="session")
-def server(tmp_path_factory) -> Iterator[RunningServer]:
-    s = RunningServer(tmp_path_factory)
-    yield s
-    s.stop()
-
-
-@pytest.fixture
-def api_env(server: RunningServer, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    env = {
-        "E2B_API_KEY": server.server.api_key,
-        "E2B_API_URL": server.url,
-        "E2B_SANDBOX_URL": server.url,
-        "E2B_DOMAIN": "localhost",
-    }
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    return env

@@ -1,0 +1,153 @@
+"""``aenv kernel build|ls`` and ``aenv image build|ls``: guest kernels and root filesystems.
+
+Both build into the aenv home (``AENV_HOME``) and are cached: a second build of the same
+input returns at once. Builds need root (ownership inside images, debootstrap).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+kernel_app = typer.Typer(no_args_is_help=True, help="Guest kernels (cloud: Debian; small: built).")
+image_app = typer.Typer(no_args_is_help=True, help="Root-filesystem images for guests.")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(kernel_app, name="kernel")
+    app.add_typer(image_app, name="image")
+
+
+class _Steps:
+    """A rich progress line per build: the current step, a count of steps, elapsed time."""
+
+    def __init__(self, title: str) -> None:
+        self.progress = Progress(
+            SpinnerColumn(), TextColumn("[bold]{task.fields[title]}"),
+            TextColumn("{task.completed:>5.0f}"), TextColumn("{task.description}"),
+            TimeElapsedColumn(), transient=False,
+        )
+        self.task = self.progress.add_task("starting", total=None, title=title)
+
+    def __enter__(self) -> _Steps:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.stop()
+
+    def __call__(self, message: str) -> None:
+        self.progress.update(self.task, advance=1, description=message[:90])
+
+
+def _settings():
+    from ..config import Settings
+
+    return Settings.from_env()
+
+
+def _fail(e: Exception) -> None:
+    Console(stderr=True).print(f"[red]error:[/red] {e}")
+    raise typer.Exit(1)
+
+
+@kernel_app.command("build")
+def kernel_build(
+    flavor: str = typer.Argument("cloud", help="cloud (Debian package) or small (compiled)"),
+    jobs: int | None = typer.Option(None, "--jobs", "-j", help="make -j for 'small'"),
+) -> None:
+    """Prepare a guest kernel (``small`` compiles linux-source-6.1: ~8 min on 2 cores)."""
+    from ..storage.errors import StorageError
+    from ..storage.kernel import build_kernel
+
+    t0 = time.monotonic()
+    try:
+        with _Steps(f"kernel {flavor}") as steps:
+            kernel = build_kernel(_settings(), flavor, progress=steps, jobs=jobs)
+    except StorageError as e:
+        _fail(e)
+    Console().print(f"{kernel.flavor} {kernel.version} in {kernel.directory} "
+                    f"({time.monotonic() - t0:.1f} s)")
+
+
+@kernel_app.command("ls")
+def kernel_ls() -> None:
+    """List prepared kernels, newest first."""
+    from ..storage.kernel import list_kernels
+
+    table = Table("flavor", "version", "vmlinux MB", "initrd", "source")
+    for k in list_kernels(_settings()):
+        table.add_row(k.flavor, k.version, f"{k.vmlinux.stat().st_size / 1e6:.1f}",
+                      "yes" if k.initrd else "-", k.source)
+    Console().print(table)
+
+
+@image_app.command("build")
+def image_build(
+    source: Path | None = typer.Argument(
+        None, help="directory, rootfs tarball, OCI layout/archive or docker-save archive; "
+                   "omitted: the base image"),
+    name: str | None = typer.Option(None, "--name", "-n", help="defaults to the source name"),
+    kernel_flavor: str = typer.Option("cloud", "--kernel", "-k", help="cloud or small"),
+    size_mib: int | None = typer.Option(None, "--size-mib", help="default: 4 GiB or more"),
+    guest: bool = typer.Option(True, "--guest/--no-guest",
+                               help="add aenv's init and envd (the source needs python3.11)"),
+) -> None:
+    """Build (or find in the cache) a root-filesystem image."""
+    from ..storage.errors import StorageError
+    from ..storage.images import build_image, ensure_base_image
+
+    size = size_mib * (1 << 20) if size_mib else None
+    t0 = time.monotonic()
+    try:
+        with _Steps(f"image {name or (source.name if source else 'base')}") as steps:
+            if source is None:
+                image = ensure_base_image(_settings(), steps, kernel_flavor=kernel_flavor,
+                                          size_bytes=size)
+            else:
+                image = build_image(_settings(), name or source.name, source,
+                                    kernel_flavor=kernel_flavor, guest_layer=guest,
+                                    size_bytes=size, progress=steps)
+    except StorageError as e:
+        _fail(e)
+    Console().print(f"{image.name} {image.digest[:12]} {image.path} "
+                    f"({time.monotonic() - t0:.1f} s)")
+
+
+@image_app.command("ls")
+def image_ls() -> None:
+    """List built images, newest first."""
+    from ..storage.images import list_images
+
+    table = Table("name", "digest", "kernel", "size GiB", "built", "source")
+    for i in list_images(_settings()):
+        table.add_row(i.name, i.digest[:12], f"{i.kernel_flavor} {i.kernel_version}".strip(),
+                      f"{i.size_bytes / (1 << 30):.1f}",
+                      time.strftime("%Y-%m-%d %H:%M", time.localtime(i.built_at)), i.source)
+    Console().print(table)
+
+
+@image_app.command("prune")
+def image_prune(
+    keep: int = typer.Option(1, help="newest images to keep per name and kernel flavor"),
+    yes: bool = typer.Option(False, "--yes", "-y", help="delete without asking"),
+) -> None:
+    """Delete superseded images (only when no sandbox or snapshot still uses them)."""
+    from ..storage.images import remove_image, superseded_images
+
+    settings = _settings()
+    old = superseded_images(settings, keep)
+    if not old:
+        Console().print("nothing to prune")
+        return
+    for image in old:
+        Console().print(f"{image.name} {image.digest[:12]} {image.kernel_flavor}")
+    if not yes and not typer.confirm(f"delete these {len(old)} images?"):
+        raise typer.Exit(1)
+    for image in old:
+        remove_image(settings, image)

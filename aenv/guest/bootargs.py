@@ -1,0 +1,66 @@
+"""The kernel command line of every guest: console, clock, root disk, init, network identity.
+
+The guest's network is fixed (see ``aenv.network.guest_link``) and passed in the kernel's
+own ``ip=`` syntax, which aenv's init reads (and which a kernel built with ``CONFIG_IP_PNP``
+would apply by itself). The root filesystem is always the first virtio-blk drive,
+``/dev/vda``, mounted read-write: the runtime gives each VM a copy-on-write disk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..network.guest_link import GUEST_IP, LINK_PREFIXLEN, TAP_IP
+from ..storage.kernel import Kernel
+
+GUEST_INIT = "/sbin/aenv-init"
+DEFAULT_DNS = "8.8.8.8"
+
+# Under TCG the kernel's TSC calibration against the PIT can fail on a loaded host and the
+# guest then hangs; giving the frequency avoids calibrating at all.
+_CLOCK = ("tsc_early_khz=2596000", "tsc=reliable")
+
+
+def _netmask(prefixlen: int) -> str:
+    bits = (0xFFFFFFFF << (32 - prefixlen)) & 0xFFFFFFFF
+    return ".".join(str((bits >> s) & 0xFF) for s in (24, 16, 8, 0))
+
+
+def guest_boot_args(
+    kernel: Kernel,
+    *,
+    hostname: str = "sandbox",
+    extra: Sequence[str] = (),
+    dns: str = DEFAULT_DNS,
+    quiet: bool = True,
+) -> str:
+    """The command line for ``kernel`` booting an aenv image (``extra`` is appended)."""
+    if not hostname or any(c in hostname for c in ": \t\n"):
+        raise ValueError(f"bad hostname {hostname!r}")
+    ip = ":".join(
+        [GUEST_IP, "", TAP_IP, _netmask(LINK_PREFIXLEN), hostname, "eth0", "off", dns]
+    )
+    args = [
+        "console=ttyS0",
+        *_CLOCK,
+        "root=/dev/vda",
+        "rootfstype=ext4",
+        "rw",
+        f"init={GUEST_INIT}",
+        f"ip={ip}",
+        # A dead PID 1 reboots instead of hanging; the VMM turns that into an exit.
+        "panic=1",
+        # No PCI, keyboard controller or legacy probing on microvm / Firecracker.
+        "pci=off",
+        "i8042.noaux",
+        "i8042.nomux",
+        "i8042.dumbkbd",
+        "8250.nr_uarts=1",
+        "random.trust_cpu=on",
+    ]
+    if quiet:
+        args.append("quiet")
+    if kernel.initrd is None:
+        # Without an initramfs the kernel mounts the root itself and must wait for it.
+        args.append("rootwait")
+    return " ".join([*args, *extra])

@@ -1,0 +1,227 @@
+"""``NodeMachines``: sandboxes as microVMs on this host.
+
+For each sandbox: a network slot from the pool, a copy-on-write disk over its template's
+image (the node's base image or a committed layer), a VM working directory under
+``vms_dir/<sandbox id>``, the VMM booted through the configured runtime driver, and envd
+waited for and initialised (token, env vars, default user and workdir). Everything made is
+released again on failure, on kill, and for VMs found dead after a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..client.envd import ENVD_PORT, EnvdClient
+from ..config import Settings
+from ..guest.bootargs import guest_boot_args
+from ..network import EgressPolicy, NetworkSlot, SlotPool, cleanup_leftovers
+from ..runtime import VM, AttachError, Drive, VMSpec, get_runtime
+from ..runtime import workdir as wd
+from ..runtime.ready import boot_until_ready
+from ..storage import disk_layers
+from ..storage.disks import Disk, create_disk
+from ..storage.images import Image, ensure_base_image
+from ..storage.kernel import Kernel, ensure_kernel
+from ..store import SandboxRecord, TemplateRecord
+from .errors import InvalidRequest, Unsupported
+from .machine import Placement
+
+log = logging.getLogger("aenv.node")
+
+ENVD_READY_TIMEOUT_S = 60.0
+START_READY_TIMEOUT_S = 120.0
+
+
+@dataclass
+class _Running:
+    vm: VM
+    slot: NetworkSlot
+    disk: Disk | None
+
+
+def egress_policy(rec: SandboxRecord) -> EgressPolicy:
+    net = rec.network or {}
+    try:
+        return EgressPolicy.build(
+            allow_out=net.get("allowOut") or (), deny_out=net.get("denyOut") or (),
+            allow_internet=rec.allow_internet is not False)
+    except ValueError as e:
+        raise InvalidRequest(f"invalid network policy: {e}") from e
+
+
+class NodeMachines:
+    can_pause = False
+
+    def __init__(self, settings: Settings, *, kernel_flavor: str = "cloud") -> None:
+        self.settings = settings
+        self.kernel_flavor = kernel_flavor
+        self.runtime = get_runtime(settings.runtime)
+        self.pool = SlotPool(settings)
+        self.kernel: Kernel | None = None
+        self.base: Image | None = None
+        self._running: dict[str, _Running] = {}
+
+    # -- node life ------------------------------------------------------------------------
+
+    async def prepare(self, keep_slots: set[int], keep_vms: set[str]) -> None:
+        """Make sure the kernel and base image exist, clear a crashed run's leftovers
+        (except ``keep_slots``, still used by sandboxes to re-attach), start the pool."""
+        self.kernel = await asyncio.to_thread(ensure_kernel, self.settings, self.kernel_flavor)
+        self.base = await asyncio.to_thread(ensure_base_image, self.settings, None,
+                                            kernel_flavor=self.kernel_flavor)
+        report = await asyncio.to_thread(cleanup_leftovers, self.settings, keep_slots)
+        if report:
+            log.info("removed leftovers of a previous run: %s", report.summary())
+        for d in self.settings.vms_dir.glob("*") if self.settings.vms_dir.is_dir() else ():
+            if d.name not in keep_vms:
+                wd.remove(d)
+        await asyncio.to_thread(self.pool.start, keep_slots)
+
+    async def close(self) -> None:
+        """Stop watching; running VMs keep running (a restart re-attaches them)."""
+        for r in self._running.values():
+            detach = getattr(r.vm, "detach", None)
+            if detach is not None:
+                await detach()
+
+    def in_use(self) -> set[int]:
+        return {r.slot.index for r in self._running.values()}
+
+    # -- one sandbox ----------------------------------------------------------------------
+
+    def _image_for(self, template: TemplateRecord) -> Path:
+        if template.image and template.image.startswith("layer:"):
+            return disk_layers.resolve(template.image, self.settings.images_dir).path
+        assert self.base is not None, "prepare() first"
+        return self.base.path
+
+    async def start(self, rec: SandboxRecord, template: TemplateRecord) -> Placement:
+        assert self.kernel is not None, "prepare() first"
+        t0 = time.monotonic()
+        policy = egress_policy(rec)
+        slot = await asyncio.to_thread(self.pool.acquire, policy)
+        workdir = self.settings.vms_dir / rec.id
+        vm: VM | None = None
+        disk: Disk | None = None
+        try:
+            disk = await asyncio.to_thread(create_disk, self._image_for(template), workdir)
+            t_disk = time.monotonic()
+            spec = VMSpec(
+                vm_id=rec.id, workdir=workdir, kernel=self.kernel.vmlinux,
+                initrd=self.kernel.initrd, boot_args=guest_boot_args(self.kernel),
+                vcpus=rec.cpu_count, memory_mib=rec.memory_mb,
+                drives=(Drive("rootfs", disk.path, format=disk.format),),
+                tap=slot.tap_name, netns=slot.netns, mac=slot.guest_mac,
+                memory_file=wd.default_memory_file(rec.id, workdir, self.settings.name_prefix),
+            )
+            url = f"http://{slot.host_ip}:{ENVD_PORT}"
+            vm, phases = await boot_until_ready(self.runtime, spec, url, ENVD_READY_TIMEOUT_S)
+            envd = EnvdClient(url)
+            try:
+                await envd.init(access_token=rec.envd_token, env_vars=rec.env_vars,
+                                default_user=template.user or "user",
+                                default_workdir=template.workdir, entropy=os.urandom(64))
+                if template.start_cmd:
+                    await self._start_command(envd, template)
+            finally:
+                await envd.aclose()
+        except BaseException:
+            if vm is not None:
+                await vm.stop()
+            wd.remove(workdir)
+            await asyncio.to_thread(self._release, slot)
+            raise
+        self._running[rec.id] = _Running(vm, slot, disk)
+        log.info("sandbox %s: slot %d, disk %s %.0f ms, boot %.2f s, total %.2f s", rec.id,
+                 slot.index, disk.method, (t_disk - t0) * 1000, phases.total,
+                 time.monotonic() - t0,
+                 extra={"sandbox_id": rec.id, "op": "create", "duration": time.monotonic() - t0})
+        return Placement(vm_dir=str(workdir), vm_pid=vm.pid, slot=slot.index,
+                         host_ip=slot.host_ip, runtime=self.runtime.name)
+
+    async def _start_command(self, envd: EnvdClient, template: TemplateRecord) -> None:
+        """Cold-boot path for templates with a start command: run it, wait for ready."""
+        user = template.user or "user"
+        await envd.start_background(template.start_cmd or "", user=user, cwd=template.workdir,
+                                    envs=template.env_vars)
+        ready = template.ready_cmd or "sleep 1"
+        deadline = time.monotonic() + START_READY_TIMEOUT_S
+        while (await envd.run(ready, user=user, cwd=template.workdir, envs=template.env_vars,
+                              timeout=60)).exit_code != 0:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ready command did not succeed: {ready}")
+            await asyncio.sleep(0.5)
+
+    def _release(self, slot: NetworkSlot) -> None:
+        try:
+            self.pool.release(slot)
+        except Exception:
+            log.exception("slot %d: release failed", slot.index)
+
+    async def stop(self, rec: SandboxRecord) -> None:
+        running = self._running.pop(rec.id, None)
+        if running is not None:
+            await running.vm.stop()
+            await asyncio.to_thread(self._release, running.slot)
+        if rec.vm_dir:
+            wd.remove(Path(rec.vm_dir))
+
+    async def reattach(self, rec: SandboxRecord) -> bool:
+        if not rec.vm_dir or rec.slot is None:
+            return False
+        try:
+            slot = await asyncio.to_thread(self.pool.adopt, rec.slot, egress_policy(rec))
+        except Exception:
+            log.warning("sandbox %s: its slot %s is gone", rec.id, rec.slot)
+            return False
+        try:
+            vm = await self.runtime.attach(Path(rec.vm_dir))
+        except AttachError:
+            await asyncio.to_thread(self._release, slot)
+            return False
+        envd = EnvdClient(f"http://{slot.host_ip}:{ENVD_PORT}")
+        try:
+            await envd.wait_healthy(5)
+        except Exception:
+            await vm.stop()
+            await asyncio.to_thread(self._release, slot)
+            return False
+        finally:
+            await envd.aclose()
+        self._running[rec.id] = _Running(vm, slot, None)
+        return True
+
+    async def commit(self, rec: SandboxRecord, template_id: str) -> str:
+        running = self._running.pop(rec.id, None)
+        if running is None or running.disk is None:
+            raise InvalidRequest(f"build VM {rec.id} is not running on this node")
+        await running.vm.stop()
+        await asyncio.to_thread(self._release, running.slot)
+        layer = disk_layers.commit(running.disk, self.settings.images_dir,
+                                   f"{template_id}-{rec.id}")
+        wd.remove(Path(rec.vm_dir or running.vm.workdir))
+        return layer.ref()
+
+    async def pause(self, rec: SandboxRecord, memory: bool) -> str:
+        raise Unsupported("pausing needs VM snapshots, which this node does not take yet")
+
+    async def resume(self, rec: SandboxRecord) -> Placement:
+        raise Unsupported("resuming needs VM snapshots, which this node does not take yet")
+
+    def logs(self, rec: SandboxRecord, start: int | None, limit: int) -> list[dict]:
+        """The VM's serial console, one entry per line (timestamps: the file's mtime)."""
+        if not rec.vm_dir:
+            return []
+        path = Path(rec.vm_dir) / wd.CONSOLE
+        try:
+            text = path.read_text(errors="replace")
+            ts = int(path.stat().st_mtime * 1000)
+        except OSError:
+            return []
+        lines = text.splitlines()[(start or 0):][:limit]
+        return [{"timestamp": ts, "line": line} for line in lines]

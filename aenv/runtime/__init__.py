@@ -1,0 +1,72 @@
+"""Runtime drivers behind one interface (``aenv.runtime.base``); ``get_runtime`` picks one.
+
+``qemu`` is the only driver so far. ``doctor_checks`` reports what this host gives the
+runtime (VMM binary, accelerator and why, QMP library) as rows for ``aenv doctor``.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+from .base import (
+    VM,
+    AttachError,
+    BootError,
+    ControlError,
+    Drive,
+    NotSupportedError,
+    RestoreOverrides,
+    Runtime,
+    UnknownRuntimeError,
+    VMError,
+    VMExitedError,
+    VMSpec,
+)
+
+__all__ = [
+    "VM",
+    "AttachError",
+    "BootError",
+    "ControlError",
+    "Drive",
+    "NotSupportedError",
+    "RestoreOverrides",
+    "Runtime",
+    "UnknownRuntimeError",
+    "VMError",
+    "VMExitedError",
+    "VMSpec",
+    "doctor_checks",
+    "get_runtime",
+]
+
+RUNTIMES = ("qemu",)
+
+
+def get_runtime(name: str) -> Runtime:
+    """The driver called ``name`` (``Settings.runtime``)."""
+    if name == "qemu":
+        from .qemu import QemuRuntime
+
+        return QemuRuntime()
+    raise UnknownRuntimeError(f"unknown runtime {name!r}; available: {', '.join(RUNTIMES)}")
+
+
+def doctor_checks() -> list[tuple[str, str]]:
+    """(check, result) rows: QEMU version, accelerator with its reason, async I/O, QMP."""
+    from .kvm import host_accel
+    from .qemu import io_uring_usable, qemu_binary, qemu_version
+
+    binary = qemu_binary()
+    version = qemu_version() if binary else None
+    try:
+        qmp = "qemu.qmp " + metadata.version("qemu.qmp")
+    except metadata.PackageNotFoundError:
+        qmp = "missing (pip install qemu.qmp)"
+    choice = host_accel()
+    return [
+        ("qemu", f"{binary} {version}" if binary else "missing (apt-get install qemu-system-x86)"),
+        ("accelerator", f"{choice.accel}: {choice.reason}"),
+        ("disk aio", "io_uring" if io_uring_usable() else "threads (io_uring unavailable)"),
+        ("qmp client", qmp),
+    ]

@@ -1,0 +1,224 @@
+"""The VMM-neutral runtime interface: a ``VMSpec`` in, a running ``VM`` handle out.
+
+Shaped after Firecracker's model so every driver fits it: drives are host paths, the network
+device is a tap name inside the sandbox's network namespace, a snapshot is a VM-state file plus
+a memory file, and restoring one takes the snapshot directory plus overrides (new working
+directory, tap, drive paths). A driver owns one VMM process per VM; policy (when to pause, how
+many forks) belongs to the orchestrator, not here.
+
+Contract for every driver:
+- ``Runtime.boot`` returns once the VMM process runs and its control channel answers; it does
+  not wait for the guest (see ``aenv.runtime.ready.wait_for_envd``).
+- The VMM runs with its working directory = ``VMSpec.workdir`` and sees only fixed relative
+  names there (see ``aenv.runtime.workdir``), so no VM state embeds a sandbox-specific path.
+- The VMM runs in its own process group and survives the server; ``Runtime.attach`` finds it
+  again from the working directory alone.
+- Operations a driver cannot do yet raise ``NotSupportedError`` (a ``NotImplementedError``).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from ..network.guest_link import GUEST_MAC
+
+DriveFormat = Literal["raw", "qcow2"]
+Accel = Literal["kvm", "tcg"]
+
+
+# -- errors -----------------------------------------------------------------------------------
+
+
+class VMError(Exception):
+    """Base of every runtime error; ``vm_id`` says which VM (None before one exists)."""
+
+    def __init__(self, message: str, *, vm_id: str | None = None) -> None:
+        super().__init__(message)
+        self.vm_id = vm_id
+
+
+class BootError(VMError):
+    """The VMM did not come up, or the guest died while booting.
+
+    ``console_tail`` holds the last lines of the guest serial console and ``vmm_log_tail``
+    the VMM's own stderr, so the caller can show why without opening files.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        vm_id: str | None = None,
+        console_tail: str = "",
+        vmm_log_tail: str = "",
+    ) -> None:
+        super().__init__(message, vm_id=vm_id)
+        self.console_tail = console_tail
+        self.vmm_log_tail = vmm_log_tail
+
+    def __str__(self) -> str:
+        parts = [super().__str__()]
+        if self.vmm_log_tail:
+            parts.append("--- vmm log ---\n" + self.vmm_log_tail)
+        if self.console_tail:
+            parts.append("--- console ---\n" + self.console_tail)
+        return "\n".join(parts)
+
+
+class VMExitedError(VMError):
+    """The VMM process is gone; the operation cannot be carried out."""
+
+
+class ControlError(VMError):
+    """The VMM refused or failed a control command (QMP error, API error)."""
+
+
+class AttachError(VMError):
+    """No live VMM of ours belongs to that working directory."""
+
+
+class NotSupportedError(VMError, NotImplementedError):
+    """This driver does not implement the operation (yet); nothing was changed."""
+
+
+class UnknownRuntimeError(VMError):
+    """``get_runtime`` was asked for a driver that does not exist."""
+
+
+# -- specification --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Drive:
+    """A block device backed by a host file. The first drive of a spec is the root fs."""
+
+    id: str
+    path: Path
+    read_only: bool = False
+    format: DriveFormat = "raw"
+
+    def __post_init__(self) -> None:
+        if not self.id.isidentifier():
+            raise ValueError(f"drive id must be an identifier: {self.id!r}")
+        if self.format not in ("raw", "qcow2"):
+            raise ValueError(f"unknown drive format {self.format!r}")
+
+
+@dataclass(frozen=True)
+class VMSpec:
+    """Everything a driver needs to boot one VM.
+
+    ``drives`` lists the root filesystem first (the guest sees it as /dev/vda). ``mac`` is the
+    fixed guest identity's (``aenv.network.guest_link``), the same in every sandbox. ``tap`` names
+    a tap device that exists in ``netns`` (or in the caller's namespace when ``netns`` is
+    None); None means no network device. ``memory_file``, when set, is a host file that backs
+    guest RAM and is shared with the VMM (so the snapshot code can later map it
+    copy-on-write); None means anonymous memory. A driver whose VMM cannot back RAM by a file
+    at boot raises ``NotSupportedError`` for it. ``console_log`` defaults to ``console.log``
+    in the working directory.
+    """
+
+    vm_id: str
+    workdir: Path
+    kernel: Path
+    boot_args: str
+    drives: tuple[Drive, ...] = ()
+    initrd: Path | None = None
+    vcpus: int = 1
+    memory_mib: int = 256
+    tap: str | None = None
+    netns: str | None = None
+    mac: str = GUEST_MAC
+    memory_file: Path | None = None
+    console_log: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.vcpus < 1 or self.memory_mib < 16:
+            raise ValueError("a VM needs at least 1 vCPU and 16 MiB")
+        ids = [d.id for d in self.drives]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"duplicate drive ids: {ids}")
+
+
+@dataclass(frozen=True)
+class RestoreOverrides:
+    """What differs between the snapshotted VM and the restored one (Firecracker's model)."""
+
+    vm_id: str
+    workdir: Path
+    drives: dict[str, Path] = field(default_factory=dict)  # drive id -> new host path
+    tap: str | None = None
+    netns: str | None = None
+
+
+# -- handles --------------------------------------------------------------------------------
+
+
+class VM(abc.ABC):
+    """A running (or paused) VM owned by one VMM process.
+
+    ``started_at`` is ``time.monotonic()`` when the VMM was spawned (or attached to), and
+    ``boot_timings`` holds seconds after that for the steps the driver saw (``qmp_ready``).
+    """
+
+    vm_id: str
+    workdir: Path
+    accel: Accel
+    accel_reason: str
+    console_log: Path
+    started_at: float
+    boot_timings: dict[str, float]
+
+    @property
+    @abc.abstractmethod
+    def pid(self) -> int:
+        """Host pid of the VMM process."""
+
+    @abc.abstractmethod
+    def is_alive(self) -> bool:
+        """Whether the VMM process still runs."""
+
+    @abc.abstractmethod
+    async def pause(self) -> None:
+        """Stop the vCPUs; guest memory and devices stay as they are."""
+
+    @abc.abstractmethod
+    async def resume(self) -> None:
+        """Run the vCPUs again after ``pause``."""
+
+    @abc.abstractmethod
+    async def snapshot(self, directory: Path, *, incremental: bool = False) -> None:
+        """Write VM state and memory into ``directory`` (VM must be paused)."""
+
+    @abc.abstractmethod
+    async def stop(self, timeout: float = 5.0) -> None:
+        """End the VMM: ask politely, then SIGTERM, then SIGKILL the process group."""
+
+    @abc.abstractmethod
+    async def wait(self) -> int | None:
+        """Wait for the VMM to exit; its exit status when it was our child, else None."""
+
+
+class Runtime(abc.ABC):
+    """One driver per VMM; stateless apart from host facts it probed once."""
+
+    name: str
+
+    @abc.abstractmethod
+    async def boot(self, spec: VMSpec) -> VM:
+        """Start a VMM for ``spec``; returns when the VMM runs and answers control calls.
+
+        On ``BootError`` no VMM process is left, but the working directory (with its logs
+        and guest-RAM file) is: inspect it, then ``workdir.remove`` it.
+        """
+
+    @abc.abstractmethod
+    async def restore(self, snapshot_dir: Path, overrides: RestoreOverrides) -> VM:
+        """Start a VMM from a snapshot written by ``VM.snapshot``."""
+
+    @abc.abstractmethod
+    async def attach(self, workdir: Path) -> VM:
+        """Re-attach to the live VMM of ``workdir`` (after a server restart)."""

@@ -1,0 +1,366 @@
+"""The QEMU driver: ``qemu-system-x86_64 -M microvm`` driven over QMP (``qemu.qmp``, asyncio).
+
+``boot`` prepares the working directory, starts QEMU there (inside the spec's netns, in its
+own session and process group, stdin from /dev/null, stdout/stderr to ``vmm.log``), and
+returns once QMP answers ``query-status`` with the VM running. The VMM is not tied to the
+server: it survives a server exit, and ``attach`` finds it again through QEMU's own pidfile,
+checking that the pid's cwd is that working directory before trusting it.
+
+KVM or TCG is decided once per process by ``aenv.runtime.kvm``; the choice is recorded in
+the VM handle (``accel``, ``accel_reason``), the manifest and the log.
+
+Snapshot and restore are not implemented by this driver yet: they raise
+``NotSupportedError`` (the snapshot work adds them on top of the file-backed guest RAM that
+``boot`` already sets up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import functools
+import json
+import logging
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from qemu.qmp import QMPClient, QMPError
+
+from . import qemu_args
+from . import workdir as wd
+from .base import (
+    VM,
+    AttachError,
+    BootError,
+    ControlError,
+    NotSupportedError,
+    RestoreOverrides,
+    Runtime,
+    VMExitedError,
+    VMSpec,
+)
+from .kvm import AccelChoice, host_accel
+
+log = logging.getLogger("aenv.runtime")
+
+QMP_TIMEOUT = 10.0  # seconds from spawn until QMP must answer (TCG on a loaded 2-core host)
+_SYS_IO_URING_SETUP = 425
+_UNIX_PATH_MAX = 107
+
+
+@functools.cache
+def io_uring_usable() -> bool:
+    """Whether this kernel lets us create an io_uring (it may be disabled by sysctl/seccomp).
+
+    Debian's QEMU links liburing, so the kernel is the only thing left to ask.
+    """
+    params = ctypes.create_string_buffer(120)  # struct io_uring_params
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.syscall(_SYS_IO_URING_SETUP, 1, params)
+    if fd < 0:
+        return False
+    os.close(fd)
+    return True
+
+
+def qemu_binary() -> str | None:
+    return shutil.which(qemu_args.QEMU_BINARY)
+
+
+def qemu_version() -> str | None:
+    """``7.2.22`` style version of the installed QEMU, or None when it is missing."""
+    binary = qemu_binary()
+    if binary is None:
+        return None
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, check=False)
+    first = out.stdout.splitlines()[0] if out.stdout else ""
+    return first.removeprefix("QEMU emulator version ").split(" ")[0] or None
+
+
+def _unix_connect(path: Path) -> socket.socket:
+    """Connect to a unix socket even when its absolute path is longer than sun_path allows,
+    by going through ``/proc/self/fd/<dirfd>/`` (the kernel resolves that magic link)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        if len(str(path)) <= _UNIX_PATH_MAX:
+            sock.connect(str(path))
+            return sock
+        dirfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            sock.connect(f"/proc/self/fd/{dirfd}/{path.name}")
+        finally:
+            os.close(dirfd)
+        return sock
+    except BaseException:
+        sock.close()
+        raise
+
+
+class QemuVM(VM):
+    """Handle on one QEMU process. ``boot_timings`` holds host-clock seconds since spawn."""
+
+    def __init__(
+        self,
+        *,
+        vm_id: str,
+        workdir: Path,
+        accel: AccelChoice,
+        pid: int,
+        process: subprocess.Popen[bytes] | None,
+        qmp: QMPClient,
+        started_at: float,
+        boot_timings: dict[str, float] | None = None,
+        pidfd: int | None = None,
+    ) -> None:
+        self.vm_id = vm_id
+        self.workdir = workdir
+        self.accel = accel.accel
+        self.accel_reason = accel.reason
+        self.console_log = workdir / wd.CONSOLE
+        self.started_at = started_at  # time.monotonic() at spawn (at attach for attached VMs)
+        self.boot_timings = boot_timings or {}
+        self._pid = pid
+        self._process = process
+        self._qmp = qmp
+        self._pidfd = os.pidfd_open(pid) if pidfd is None else pidfd
+        self._returncode: int | None = None
+
+    @property
+    def pid(self) -> int:
+        return self._pid
+
+    def is_alive(self) -> bool:
+        if self._process is not None:
+            return self._process.poll() is None
+        if self._pidfd < 0:
+            return False  # closed only once the exit was seen
+        # Not our child (attached): its pidfd polls readable once it has exited.
+        return not select.select([self._pidfd], [], [], 0)[0]
+
+    async def _execute(self, cmd: str, args: dict[str, object] | None = None) -> object:
+        if not self.is_alive():
+            raise VMExitedError(f"VMM of {self.vm_id} has exited", vm_id=self.vm_id)
+        try:
+            return await self._qmp.execute(cmd, args)
+        except QMPError as e:
+            if not self.is_alive():
+                raise VMExitedError(f"VMM of {self.vm_id} exited during {cmd}",
+                                    vm_id=self.vm_id) from e
+            raise ControlError(f"QMP {cmd} failed for {self.vm_id}: {e}", vm_id=self.vm_id) from e
+
+    async def status(self) -> str:
+        """QEMU's run state: ``running``, ``paused``, ``shutdown``..."""
+        reply = await self._execute("query-status")
+        return str(reply["status"])  # type: ignore[index]
+
+    async def pause(self) -> None:
+        t = time.monotonic()
+        await self._execute("stop")
+        log.info("paused", extra={"vm_id": self.vm_id, "op": "pause",
+                                  "duration": time.monotonic() - t})
+
+    async def resume(self) -> None:
+        t = time.monotonic()
+        await self._execute("cont")
+        log.info("resumed", extra={"vm_id": self.vm_id, "op": "resume",
+                                   "duration": time.monotonic() - t})
+
+    async def snapshot(self, directory: Path, *, incremental: bool = False) -> None:
+        raise NotSupportedError("the qemu driver does not take snapshots yet", vm_id=self.vm_id)
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        """QMP ``quit``; if the VMM is still there after ``timeout``, SIGTERM its process
+        group, then SIGKILL it. Leaves the working directory (see ``workdir.remove``)."""
+        t = time.monotonic()
+        if self.is_alive():
+            try:
+                await asyncio.wait_for(self._qmp.execute("quit"), timeout)
+            except (TimeoutError, QMPError, EOFError, OSError):
+                pass  # the VMM may close the socket before answering; the wait below decides
+        for sig in (None, signal.SIGTERM, signal.SIGKILL):
+            if sig is not None:
+                try:
+                    os.killpg(self._pid, sig)
+                except ProcessLookupError:
+                    pass
+            try:
+                await asyncio.wait_for(self.wait(), timeout)
+                break
+            except TimeoutError:
+                continue
+        await self._disconnect()
+        if not self.is_alive() and self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
+        log.info("stopped", extra={"vm_id": self.vm_id, "op": "stop",
+                                   "duration": time.monotonic() - t})
+
+    async def wait(self) -> int | None:
+        if not self.is_alive():
+            if self._process is not None:
+                self._returncode = self._process.wait()
+            return self._returncode
+        loop = asyncio.get_running_loop()
+        readable = loop.create_future()
+        loop.add_reader(self._pidfd, lambda: readable.done() or readable.set_result(None))
+        try:
+            await readable
+        finally:
+            loop.remove_reader(self._pidfd)
+        if self._process is not None:
+            self._returncode = self._process.wait()
+        return self._returncode
+
+    async def _disconnect(self) -> None:
+        try:
+            await self._qmp.disconnect()
+        except (QMPError, EOFError, OSError):
+            pass
+
+    async def detach(self) -> None:
+        """Drop the control connection but leave the VMM running (server shutdown)."""
+        await self._disconnect()
+
+
+class QemuRuntime(Runtime):
+    name = "qemu"
+
+    def __init__(self, *, accel: AccelChoice | None = None, binary: str | None = None) -> None:
+        self._accel = accel
+        self._binary = binary
+
+    @property
+    def accel(self) -> AccelChoice:
+        return self._accel or host_accel()
+
+    async def boot(self, spec: VMSpec) -> QemuVM:
+        binary = self._binary or qemu_binary()
+        if binary is None:
+            raise BootError(f"{qemu_args.QEMU_BINARY} is not installed", vm_id=spec.vm_id)
+        accel = self.accel
+        wd.prepare(spec)
+        argv = qemu_args.build_argv(
+            spec, accel.accel, binary=binary, aio="io_uring" if io_uring_usable() else "threads"
+        )
+        manifest = {
+            "vm_id": spec.vm_id,
+            "runtime": self.name,
+            "accel": accel.accel,
+            "accel_reason": accel.reason,
+            "argv": argv,
+            "created_at": time.time(),
+        }
+        (spec.workdir / wd.MANIFEST).write_text(json.dumps(manifest, indent=1))
+        vmm_log = spec.workdir / wd.VMM_LOG
+        t0 = time.monotonic()
+        process = await asyncio.to_thread(self._spawn, argv, spec.workdir, vmm_log)
+        try:
+            qmp = await self._connect_qmp(spec, process)
+            t_qmp = time.monotonic() - t0
+            status = (await qmp.execute("query-status"))["status"]  # type: ignore[index]
+            if status != "running":
+                raise BootError(f"VMM came up {status}, not running", vm_id=spec.vm_id)
+        except BaseException as e:
+            self._kill(process)
+            if isinstance(e, BootError):
+                e.console_tail = e.console_tail or wd.tail(spec.workdir / wd.CONSOLE)
+                e.vmm_log_tail = e.vmm_log_tail or wd.tail(vmm_log)
+            raise
+        vm = QemuVM(vm_id=spec.vm_id, workdir=spec.workdir, accel=accel, pid=process.pid,
+                    process=process, qmp=qmp, started_at=t0, boot_timings={"qmp_ready": t_qmp})
+        log.info(
+            "booted %s on %s in %.0f ms (pid %d)", spec.vm_id, accel.accel, t_qmp * 1000,
+            process.pid,
+            extra={"vm_id": spec.vm_id, "op": "boot", "phase": "qmp_ready", "duration": t_qmp,
+                   "accel": accel.accel},
+        )
+        return vm
+
+    async def _connect_qmp(self, spec: VMSpec, process: subprocess.Popen[bytes]) -> QMPClient:
+        sock_path = spec.workdir / wd.QMP_SOCKET
+        deadline = time.monotonic() + QMP_TIMEOUT
+        while True:
+            if process.poll() is not None:
+                raise BootError(f"VMM exited with status {process.returncode} before QMP was up",
+                                vm_id=spec.vm_id)
+            try:
+                sock = _unix_connect(sock_path)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > deadline:
+                    raise BootError(f"QMP did not come up within {QMP_TIMEOUT}s",
+                                    vm_id=spec.vm_id) from None
+                await asyncio.sleep(0.005)
+        qmp = QMPClient(spec.vm_id)
+        try:
+            await asyncio.wait_for(qmp.connect(sock), max(0.1, deadline - time.monotonic()))
+        except (TimeoutError, QMPError, OSError) as e:
+            sock.close()
+            raise BootError(f"QMP handshake failed: {e}", vm_id=spec.vm_id) from e
+        return qmp
+
+    @staticmethod
+    def _spawn(argv: list[str], cwd: Path, log_path: Path) -> subprocess.Popen[bytes]:
+        """Start the VMM in its own session (and so its own process group), detached from
+        the server's terminal and stdio, so it outlives the server and signals to the
+        server's group never reach it."""
+        with open(log_path, "ab") as log_file:
+            return subprocess.Popen(argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log_file,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+
+    @staticmethod
+    def _kill(process: subprocess.Popen[bytes]) -> None:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
+
+    async def restore(self, snapshot_dir: Path, overrides: RestoreOverrides) -> VM:
+        raise NotSupportedError("the qemu driver does not restore snapshots yet",
+                                vm_id=overrides.vm_id)
+
+    async def attach(self, workdir: Path) -> QemuVM:
+        """Find the live QEMU of ``workdir`` by its pidfile and take over its QMP socket."""
+        try:
+            manifest = json.loads((workdir / wd.MANIFEST).read_text())
+            pid = int((workdir / wd.PIDFILE).read_text().strip())
+        except (OSError, ValueError) as e:
+            raise AttachError(f"no VMM recorded in {workdir}: {e}") from e
+        vm_id = manifest["vm_id"]
+        try:
+            # Pin the process first, then check it is ours: a pid reused after the check
+            # could otherwise be adopted.
+            pidfd = os.pidfd_open(pid)
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+        except OSError:
+            raise AttachError(f"VMM pid {pid} of {vm_id} is gone", vm_id=vm_id) from None
+        try:
+            if Path(cwd) != workdir.resolve():
+                raise AttachError(f"pid {pid} is not the VMM of {workdir} (cwd {cwd})",
+                                  vm_id=vm_id)
+            qmp = QMPClient(vm_id)
+            try:
+                sock = _unix_connect(workdir / wd.QMP_SOCKET)
+                try:
+                    await asyncio.wait_for(qmp.connect(sock), 5)
+                except BaseException:
+                    sock.close()
+                    raise
+            except (TimeoutError, QMPError, OSError) as e:
+                # QEMU serves one QMP client at a time: a live handle elsewhere times this out.
+                raise AttachError(f"QMP of {vm_id} does not answer ({type(e).__name__}: {e}); "
+                                  "is another client still connected?", vm_id=vm_id) from e
+        except BaseException:
+            os.close(pidfd)
+            raise
+        accel = AccelChoice(manifest["accel"], manifest["accel_reason"])
+        log.info("attached %s (pid %d)", vm_id, pid, extra={"vm_id": vm_id, "op": "attach"})
+        return QemuVM(vm_id=vm_id, workdir=workdir, accel=accel, pid=pid, process=None,
+                      qmp=qmp, started_at=time.monotonic(), pidfd=pidfd)

@@ -1,0 +1,109 @@
+"""The QEMU command line for a ``VMSpec``: a pure function, so it can be read and tested alone.
+
+Every path on the line is a fixed name relative to the VM working directory (the VMM's cwd),
+so the line is identical for every sandbox with the same shape and a migration stream taken
+from one VM loads into a VMM started with another VM's line.
+
+Device model: ``-M microvm`` with no default devices; the serial console goes to
+``console.log``; disks are virtio-blk over virtio-mmio, the network is virtio-net on the slot's
+tap, entropy comes from virtio-rng, and QMP listens on ``qmp.sock``.
+
+Block choices: ``cache=unsafe`` = writeback through the host page cache (so every sandbox
+reading the shared base image shares its pages) with guest flushes ignored: a sandbox disk
+does not outlive a host crash any more than its VM does, and QEMU still writes its qcow2
+metadata out to the file on stop/quit, so other processes read a consistent file. Snapshot
+code that must survive a host crash fsyncs what it keeps. ``aio=io_uring`` where the host
+offers it (fewer syscalls and no thread pool per request), else ``aio=threads``; ``native``
+is not an option because it needs O_DIRECT, which would bypass the shared page cache.
+``discard=unmap`` + ``detect-zeroes=unmap`` let a guest's fstrim shrink its overlay.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+from . import workdir as wd
+from .base import Accel, VMSpec
+
+QEMU_BINARY = "qemu-system-x86_64"
+NETNS_DIR = Path("/run/netns")
+
+# Kernel arguments every guest needs under this driver. The TSC frequency is given because,
+# under TCG on a loaded host, the guest's PIT calibration of the TSC fails now and then and
+# the guest then hangs for good; with these two arguments no boot failed.
+TCG_KERNEL_ARGS = "tsc_early_khz=2596000 tsc=reliable"
+
+
+def netns_path(netns: str) -> Path:
+    """A netns given by name (``ip netns`` style) or by absolute path."""
+    return Path(netns) if netns.startswith("/") else NETNS_DIR / netns
+
+
+def kernel_cmdline(spec: VMSpec, accel: Accel) -> str:
+    args = spec.boot_args
+    if accel == "tcg" and "tsc_early_khz=" not in args:
+        args = f"{args} {TCG_KERNEL_ARGS}".strip()
+    return args
+
+
+def build_argv(
+    spec: VMSpec,
+    accel: Accel,
+    *,
+    binary: str = QEMU_BINARY,
+    aio: str = "threads",
+    nsenter: str = "nsenter",
+) -> list[str]:
+    """The full argv, including the ``nsenter`` prefix when the spec names a netns.
+
+    The netns is entered with ``nsenter --net=…`` rather than ``ip netns exec`` (which also
+    unshares a mount namespace and remounts /sys for the VMM) or a ``preexec_fn`` (Python code
+    between fork and exec is unsafe in a threaded server and unsupported by some event loops):
+    nsenter calls setns and execs, so the VMM keeps nsenter's pid and the host's mounts.
+    """
+    machine = "microvm,x-option-roms=off"
+    argv: list[str] = []
+    if spec.netns is not None:
+        argv += [nsenter, f"--net={netns_path(spec.netns)}", "--"]
+    argv += [binary, "-nodefaults", "-no-user-config", "-nographic"]
+    if spec.memory_file is not None:
+        machine += ",memory-backend=mem"
+    argv += ["-M", machine, "-accel", accel, "-cpu", "host" if accel == "kvm" else "max"]
+    argv += ["-smp", str(spec.vcpus), "-m", f"{spec.memory_mib}M"]
+    if spec.memory_file is not None:
+        argv += [
+            "-object",
+            f"memory-backend-file,id=mem,size={spec.memory_mib}M,mem-path={wd.MEMORY},share=on",
+        ]
+    argv += ["-kernel", wd.KERNEL]
+    if spec.initrd is not None:
+        argv += ["-initrd", wd.INITRD]
+    argv += ["-append", kernel_cmdline(spec, accel)]
+    argv += ["-serial", f"file:{wd.CONSOLE}", "-monitor", "none"]
+    for drive in spec.drives:
+        opts = [
+            f"id={drive.id}",
+            f"file={wd.drive_name(drive)}",
+            f"format={drive.format}",
+            "if=none",
+            "cache=unsafe",
+            f"aio={aio}",
+        ]
+        opts += ["readonly=on"] if drive.read_only else ["discard=unmap", "detect-zeroes=unmap"]
+        argv += ["-drive", ",".join(opts), "-device", f"virtio-blk-device,drive={drive.id}"]
+    if spec.tap is not None:
+        argv += [
+            "-netdev",
+            f"tap,id=net0,ifname={spec.tap},script=no,downscript=no",
+            "-device",
+            f"virtio-net-device,netdev=net0,mac={spec.mac}",
+        ]
+    argv += ["-device", "virtio-rng-device"]
+    argv += ["-qmp", f"unix:{wd.QMP_SOCKET},server=on,wait=off", "-pidfile", wd.PIDFILE]
+    return argv
+
+
+def render(argv: list[str]) -> str:
+    """The argv as one shell-quoted line, for logs and the manifest."""
+    return shlex.join(argv)

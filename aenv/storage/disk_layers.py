@@ -1,0 +1,74 @@
+"""Read-only image layers made from sandbox disks (template builds commit one each).
+
+A layer is the copy-on-write disk of a stopped build VM, moved — not copied — into
+``images_dir/layers``: a qcow2 overlay whose backing chain ends at a base image, or a
+reflink clone (raw) where the data directory supports it. New sandboxes get a disk over the
+layer exactly as over a base image. Layers are never written again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from .disks import Disk
+from .errors import StorageError
+
+LayerFormat = Literal["raw", "qcow2"]
+
+
+class LayerError(StorageError):
+    """A layer could not be committed or found."""
+
+
+@dataclass(frozen=True)
+class Layer:
+    id: str
+    path: Path
+    format: LayerFormat
+
+    def ref(self) -> str:
+        """How the store refers to this layer."""
+        return f"layer:{self.id}"
+
+
+def layers_dir(images_dir: Path) -> Path:
+    return images_dir / "layers"
+
+
+def commit(disk: Disk, images_dir: Path, layer_id: str) -> Layer:
+    """Move ``disk`` (its VM stopped) into the layer store and freeze it."""
+    directory = layers_dir(images_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    dest = directory / f"{layer_id}.{disk.format}"
+    if dest.exists():
+        raise LayerError(f"layer {layer_id} already exists")
+    os.replace(disk.path, dest)
+    os.chmod(dest, 0o444)
+    meta = {"id": layer_id, "format": disk.format, "base": str(disk.base)}
+    (directory / f"{layer_id}.json").write_text(json.dumps(meta))
+    return Layer(layer_id, dest, disk.format)
+
+
+def resolve(ref: str, images_dir: Path) -> Layer:
+    """The layer a template's ``image`` reference names."""
+    if not ref.startswith("layer:"):
+        raise LayerError(f"not a layer reference: {ref!r}")
+    layer_id = ref.removeprefix("layer:")
+    for fmt in ("qcow2", "raw"):
+        path = layers_dir(images_dir) / f"{layer_id}.{fmt}"
+        if path.exists():
+            return Layer(layer_id, path, fmt)  # type: ignore[arg-type]
+    raise LayerError(f"layer {layer_id} is missing from {layers_dir(images_dir)}")
+
+
+def remove(ref: str, images_dir: Path) -> None:
+    try:
+        layer = resolve(ref, images_dir)
+    except LayerError:
+        return
+    layer.path.unlink(missing_ok=True)
+    (layer.path.parent / f"{layer.id}.json").unlink(missing_ok=True)

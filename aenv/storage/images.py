@@ -1,0 +1,447 @@
+"""Root-filesystem images: ext4 files built from a source tree, content-addressed, cached.
+
+Sources: a directory, a rootfs tarball, an OCI image (layout directory, OCI archive or
+``docker save`` archive; layers applied in order with whiteouts), or the ``base`` recipe
+(Debian minbase by debootstrap, see ``aenv.guest.base``). A build assembles a tree as root
+in the cache, optionally adds the guest layer (aenv's init and envd, and for the cloud
+kernel its ``/lib/modules``), and writes ``images_dir/<digest>/rootfs.ext4`` with
+``mkfs.ext4 -d``. The digest is the sha256 of every input (source content, guest layer,
+kernel, size, builder version), so building the same input again is a cache hit and any
+change to envd's code gives a new image. Images are read-only once written: each VM gets
+its own copy-on-write disk over one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import Settings
+from ..guest import base as recipe
+from . import debian, ext4, layers, oci
+from ._fsutil import build_lock, scratch, staging
+from ._run import run
+from .errors import ImageError
+from .kernel import Kernel, ensure_kernel
+
+# Bump when the way trees are assembled changes, so old cached images are not reused.
+BUILDER_VERSION = 1
+ROOTFS = "rootfs.ext4"
+MANIFEST = "image.json"
+BASE_NAME = "base"
+
+ProgressFn = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Image:
+    name: str  # e.g. "base"
+    digest: str  # content address (sha256 of the inputs/recipe)
+    path: Path  # ext4 raw image, treated as read-only
+    kernel_flavor: str  # which kernel it was built for (modules must match for cloud)
+    size_bytes: int
+    kernel_version: str = ""  # the cloud kernel whose modules it carries ("" if none)
+    built_at: float = 0.0
+    source: str = ""  # what it was built from, for people
+
+
+def ensure_base_image(
+    settings: Settings, progress: ProgressFn | None = None, *, kernel_flavor: str = "cloud",
+    size_bytes: int | None = None,
+) -> Image:
+    """The ``base`` image for ``kernel_flavor``, building it on a miss (about a minute:
+    debootstrap dominates, and its packages are cached for the next cold build)."""
+    say = progress or _quiet
+    kernel = ensure_kernel(settings, "cloud", progress=say) if kernel_flavor == "cloud" else None
+    packages = list(recipe.BASE_PACKAGES)
+    tree_key = _sha256_json({
+        "suite": debian.DEBIAN_SUITE, "mirror": debian.DEBIAN_MIRROR, "include": packages,
+    })
+    digest = _image_digest(
+        {"kind": "debian-base", "tree": tree_key}, kernel_flavor, kernel, True, size_bytes
+    )
+
+    def populate(tree: Path) -> None:
+        base_tree = _debootstrap_tree(settings, tree_key, packages, say)
+        say("copying the Debian tree")
+        _copy_tree(base_tree, tree)
+
+    return _build(
+        settings, BASE_NAME, digest, populate, kernel_flavor=kernel_flavor, kernel=kernel,
+        guest_layer=True, size_bytes=size_bytes,
+        source=f"debootstrap {debian.DEBIAN_SUITE} minbase + {len(packages)} packages",
+        progress=say,
+    )
+
+
+def build_image(
+    settings: Settings,
+    name: str,
+    source: Path,
+    *,
+    kernel_flavor: str = "cloud",
+    guest_layer: bool = True,
+    size_bytes: int | None = None,
+    progress: ProgressFn | None = None,
+) -> Image:
+    """An image named ``name`` from a directory, rootfs tarball or OCI/docker image.
+
+    With ``guest_layer`` the source must already hold Debian-like userland with python3.11,
+    tini, iproute2 and useradd (as the base image does); without it the tree is imaged as is.
+    """
+    say = progress or _quiet
+    source = source.resolve()
+    if not source.exists():
+        raise ImageError(f"image source {source} does not exist")
+    kernel = (
+        ensure_kernel(settings, "cloud", progress=say)
+        if guest_layer and kernel_flavor == "cloud" else None
+    )
+    kind, source_digest = _source_digest(source)
+    digest = _image_digest(
+        {"kind": kind, "source": source_digest}, kernel_flavor, kernel, guest_layer, size_bytes
+    )
+
+    def populate(tree: Path) -> None:
+        say(f"unpacking {kind} {source}")
+        if kind == "dir":
+            _copy_tree(source, tree)
+        elif kind == "tar":
+            layers.apply_layer(tree, source)
+        else:
+            with oci.open_image(source, scratch=settings.cache_dir / "tmp") as image:
+                for i, layer in enumerate(image.layers, 1):
+                    say(f"applying layer {i}/{len(image.layers)}")
+                    layers.apply_layer(tree, layer, whiteouts=True)
+
+    return _build(
+        settings, name, digest, populate, kernel_flavor=kernel_flavor, kernel=kernel,
+        guest_layer=guest_layer, size_bytes=size_bytes, source=f"{kind} {source}", progress=say,
+    )
+
+
+def list_images(settings: Settings) -> list[Image]:
+    """Every complete image, newest first."""
+    root = settings.images_dir
+    if not root.is_dir():
+        return []
+    found = []
+    for d in root.iterdir():
+        if d.name.startswith(".") or not (d / MANIFEST).is_file():
+            continue
+        try:
+            found.append(_read_manifest(d))
+        except ImageError:
+            continue
+    return sorted(found, key=lambda i: i.built_at, reverse=True)
+
+
+def find_image(settings: Settings, name_or_digest: str) -> Image:
+    """The newest image called ``name_or_digest``, or the one whose digest starts with it."""
+    images = list_images(settings)
+    for image in images:
+        if image.name == name_or_digest:
+            return image
+    matches = [i for i in images if i.digest.startswith(name_or_digest)]
+    if len(matches) == 1:
+        return matches[0]
+    raise ImageError(f"no image named {name_or_digest!r}")
+
+
+def remove_image(settings: Settings, image: Image) -> None:
+    """Delete ``image``. The caller must know that no disk or snapshot still uses it as a
+    backing file (the orchestrator's store knows; this module does not)."""
+    directory = image.path.parent
+    if directory.parent != settings.images_dir:
+        raise ImageError(f"{image.path} is not an image of {settings.images_dir}")
+    with build_lock(settings.images_dir):
+        shutil.rmtree(directory)
+
+
+def superseded_images(settings: Settings, keep: int = 1) -> list[Image]:
+    """Images older than the ``keep`` newest of the same name and kernel flavor (every
+    change to envd builds a new base image; the old ones only take space)."""
+    seen: dict[tuple[str, str], int] = {}
+    old = []
+    for image in list_images(settings):
+        key = (image.name, image.kernel_flavor)
+        seen[key] = seen.get(key, 0) + 1
+        if seen[key] > keep:
+            old.append(image)
+    return old
+
+
+# -- digests ----------------------------------------------------------------------------------
+
+
+def _sha256_json(value: object) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
+def _image_digest(
+    source: dict[str, str], kernel_flavor: str, kernel: Kernel | None, guest_layer: bool,
+    size_bytes: int | None,
+) -> str:
+    return _sha256_json({
+        "builder": BUILDER_VERSION,
+        "source": source,
+        "kernel_flavor": kernel_flavor,
+        "kernel_version": kernel.version if kernel and kernel.modules else "",
+        "guest_layer": recipe.guest_layer_digest() if guest_layer else "",
+        "envd_site": _envd_site_key() if guest_layer else "",
+        "size": size_bytes or 0,
+    })
+
+
+def _source_digest(source: Path) -> tuple[str, str]:
+    """(kind, digest) of an image source: "dir", "tar" or "oci"."""
+    if source.is_dir():
+        if oci.is_oci_layout(source):
+            with oci.open_image(source) as image:
+                return "oci", image.digest
+        return "dir", _tree_digest(source)
+    if oci.is_image_archive(source):
+        return "oci", _file_digest(source)
+    return "tar", _file_digest(source)
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _tree_digest(root: Path) -> str:
+    """sha256 over names, types, ownership, modes, link targets and file contents."""
+    h = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(dirnames + filenames):
+            path = os.path.join(dirpath, name)
+            st = os.lstat(path)
+            rel = os.path.relpath(path, root)
+            h.update(f"{rel}\0{st.st_mode:o}\0{st.st_uid}\0{st.st_gid}\0{st.st_rdev}\0".encode())
+            if os.path.islink(path):
+                h.update(os.readlink(path).encode())
+            elif os.path.isfile(path):
+                with open(path, "rb") as f:
+                    while chunk := f.read(1 << 20):
+                        h.update(chunk)
+            h.update(b"\n")
+    return h.hexdigest()
+
+
+# -- building ---------------------------------------------------------------------------------
+
+
+def _build(
+    settings: Settings,
+    name: str,
+    digest: str,
+    populate: Callable[[Path], None],
+    *,
+    kernel_flavor: str,
+    kernel: Kernel | None,
+    guest_layer: bool,
+    size_bytes: int | None,
+    source: str,
+    progress: ProgressFn,
+) -> Image:
+    final = settings.images_dir / digest
+    if (final / MANIFEST).is_file():
+        return _read_manifest(final)
+    _require_root()
+    with build_lock(settings.images_dir):
+        if (final / MANIFEST).is_file():
+            return _read_manifest(final)
+        with staging(final) as out, scratch(settings.cache_dir / "trees") as tree:
+            populate(tree)
+            extra: dict[str, object] = {}
+            if guest_layer:
+                extra["envd_packages"] = _install_guest_layer(settings, tree, kernel, progress)
+            progress("writing the ext4 image")
+            size = ext4.make_ext4(tree, out / ROOTFS, size_bytes=size_bytes, seed=digest)
+            os.chmod(out / ROOTFS, 0o444)
+            (out / MANIFEST).write_text(json.dumps({
+                "name": name,
+                "digest": digest,
+                "rootfs": ROOTFS,
+                "kernel_flavor": kernel_flavor,
+                "kernel_version": kernel.version if kernel and kernel.modules else "",
+                "size_bytes": size,
+                "built_at": time.time(),
+                "source": source,
+                **extra,
+            }, indent=2) + "\n")
+    progress(f"image {name} {digest[:12]} ready")
+    return _read_manifest(final)
+
+
+def _read_manifest(directory: Path) -> Image:
+    try:
+        data = json.loads((directory / MANIFEST).read_text())
+        image = Image(
+            name=data["name"],
+            digest=data["digest"],
+            path=directory / data["rootfs"],
+            kernel_flavor=data["kernel_flavor"],
+            size_bytes=int(data["size_bytes"]),
+            kernel_version=data.get("kernel_version", ""),
+            built_at=float(data.get("built_at", 0)),
+            source=data.get("source", ""),
+        )
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ImageError(f"bad image manifest in {directory}: {e}") from None
+    if not image.path.is_file():
+        raise ImageError(f"{image.path} is missing")
+    return image
+
+
+def _require_root() -> None:
+    if os.geteuid() != 0:
+        raise ImageError("building images needs root: file ownership in the image comes "
+                         "from the build tree, and debootstrap/chroot need it too")
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def _copy_tree(src: Path, dst: Path) -> None:
+    """Copy the contents of ``src`` into ``dst`` keeping everything (reflinks where possible)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    run(["cp", "-a", "--reflink=auto", f"{src}/.", f"{dst}/"])
+
+
+def _debootstrap_tree(
+    settings: Settings, key: str, packages: Sequence[str], progress: ProgressFn
+) -> Path:
+    """The cached minbase tree for ``key``, made by debootstrap on a miss."""
+    final = settings.cache_dir / "debootstrap" / key
+    if (final / "etc" / "debian_version").is_file():
+        return final
+    progress(f"debootstrap {debian.DEBIAN_SUITE} minbase (+{len(packages)} packages)")
+    with staging(final) as tree:
+        debian.debootstrap(tree, include=packages, debs_cache=settings.cache_dir / "debs")
+    return final
+
+
+# -- guest layer ------------------------------------------------------------------------------
+
+_WHEEL_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+                    "linux_x86_64")
+_PREREQUISITES = ("usr/bin/python3", "usr/bin/tini", "bin/sh", "usr/sbin/useradd")
+
+
+def _install_guest_layer(
+    settings: Settings, tree: Path, kernel: Kernel | None, progress: ProgressFn
+) -> list[str]:
+    """Add init, envd and (cloud) kernel modules to ``tree``; returns envd's packages."""
+    missing = [p for p in _PREREQUISITES if not os.path.lexists(layers.resolve(tree, p))]
+    if not os.path.isdir(layers.resolve(tree, f"usr/lib/python{recipe.GUEST_PYTHON}")):
+        missing.append(f"python{recipe.GUEST_PYTHON}")
+    if missing:
+        raise ImageError(f"the source lacks what aenv's guest layer needs: {', '.join(missing)}")
+    progress("installing envd and its dependencies")
+    site = _envd_site(settings, progress)
+    python_dir = Path(layers.resolve(tree, recipe.PYTHON_DIR.lstrip("/")))
+    python_dir.parent.mkdir(parents=True, exist_ok=True)
+    _copy_tree(site, python_dir)
+    for host, guest in recipe.envd_sources():
+        _write(tree, guest, host.read_bytes(), 0o644)
+    for f in recipe.guest_files():
+        _write(tree, f.path, f.data, f.mode)
+    if kernel is not None and kernel.modules is not None:
+        progress(f"adding modules of {kernel.version}")
+        modules = Path(layers.resolve(tree, "lib/modules")) / kernel.version
+        shutil.rmtree(modules, ignore_errors=True)
+        modules.parent.mkdir(parents=True, exist_ok=True)
+        _copy_tree(kernel.modules, modules)
+    progress("configuring the guest (user, sudo, byte-compiling)")
+    run(["chroot", tree, "/bin/sh", "-c", recipe.SETUP_SCRIPT],
+        env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root"})
+    return sorted(_installed_dists(site))
+
+
+def _write(tree: Path, guest_path: str, data: bytes, mode: int) -> None:
+    path = Path(layers.resolve(tree, guest_path.lstrip("/"), follow_last=False))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    path.write_bytes(data)
+    os.chown(path, 0, 0)
+    os.chmod(path, mode)
+
+
+def _host_constraints() -> list[str]:
+    """``name==version`` of every distribution in the running environment: the guest gets
+    the versions the host's tests ran with, wherever a package is in both."""
+    from importlib import metadata
+
+    pins = set()
+    for dist in metadata.distributions():
+        name = dist.metadata["Name"]
+        if name and dist.version and name.lower() != "aenv":
+            pins.add(f"{name}=={dist.version}")
+    return sorted(pins)
+
+
+def _envd_site_key() -> str:
+    return _sha256_json({
+        "requirements": recipe.envd_requirements(),
+        "constraints": _relevant_constraints(),
+        "python": recipe.GUEST_PYTHON,
+        "platforms": _WHEEL_PLATFORMS,
+    })
+
+
+def _relevant_constraints() -> list[str]:
+    names = {_req_name(r) for r in recipe.envd_requirements()}
+    return [c for c in _host_constraints() if _req_name(c) in names]
+
+
+def _req_name(req: str) -> str:
+    return re.split(r"[<>=!~\[; ]", req, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def _envd_site(settings: Settings, progress: ProgressFn) -> Path:
+    """envd's dependencies installed for the guest's Python (cached by requirement set)."""
+    final = settings.cache_dir / "envd-site" / _envd_site_key()
+    done = final.with_name(final.name + ".complete")
+    if done.is_file() and final.is_dir():
+        return final
+    progress("pip install envd's dependencies for the guest")
+    with staging(final) as target:
+        constraints = target / ".constraints.txt"
+        constraints.write_text("\n".join(_host_constraints()) + "\n")
+        platforms = [arg for p in _WHEEL_PLATFORMS for arg in ("--platform", p)]
+        run([
+            sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+            "--no-compile", "--no-warn-script-location", "--target", target,
+            "--only-binary=:all:", "--python-version", recipe.GUEST_PYTHON,
+            "--implementation", "cp", "--abi", "cp" + recipe.GUEST_PYTHON.replace(".", ""),
+            *platforms, "-c", constraints, *recipe.envd_requirements(),
+        ], env={"PIP_CACHE_DIR": str(settings.cache_dir / "pip")})
+        constraints.unlink()
+        # Console scripts name the host's interpreter; envd starts from its own launcher.
+        shutil.rmtree(target / "bin", ignore_errors=True)
+    done.write_text("")
+    return final
+
+
+def _installed_dists(site: Path) -> list[str]:
+    out = []
+    for info in site.glob("*.dist-info"):
+        stem = info.name.removesuffix(".dist-info")
+        name, _, version = stem.rpartition("-")
+        out.append(f"{name}=={version}")
+    return out

@@ -1,0 +1,1 @@
+"""Kernel config fragments (package data): ``small.txt`` is merged over ``tinyconfig``."""

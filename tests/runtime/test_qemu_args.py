@@ -1,0 +1,94 @@
+"""The QEMU command line: fixed relative names, devices from the spec, netns entry."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from aenv.network.guest_link import GUEST_MAC
+from aenv.runtime.base import Drive, VMSpec
+from aenv.runtime.qemu_args import build_argv, kernel_cmdline
+
+
+def spec(vm_id: str = "sbx1", root: Path = Path("/data/vms/sbx1"), **kw) -> VMSpec:
+    base = {
+        "vm_id": vm_id,
+        "workdir": root,
+        "kernel": Path("/data/kernels/cloud/vmlinux"),
+        "initrd": Path("/data/kernels/cloud/initrd"),
+        "boot_args": "console=ttyS0 root=/dev/vda",
+        "drives": (Drive("rootfs", root / "rootfs.qcow2", format="qcow2"),
+                   Drive("data", Path("/data/images/x.raw"), read_only=True)),
+        "tap": "tap0",
+        "netns": f"aenv-ns-{vm_id}",
+        "memory_file": Path(f"/dev/shm/aenv-vm-{vm_id}.mem"),
+    }
+    base.update(kw)
+    return VMSpec(**base)
+
+
+def opt(argv: list[str], flag: str) -> list[str]:
+    return [argv[i + 1] for i, a in enumerate(argv) if a == flag]
+
+
+def test_no_host_path_of_the_spec_appears_on_the_qemu_line() -> None:
+    argv = build_argv(spec(), "tcg")
+    qemu = argv[argv.index("--") + 1:]
+    assert not [a for a in qemu[1:] if "/data/" in a or "/dev/shm" in a or "sbx1" in a]
+
+
+def test_two_sandboxes_get_the_same_qemu_line() -> None:
+    a = build_argv(spec("one", Path("/data/vms/one")), "tcg")
+    b = build_argv(spec("two", Path("/elsewhere/two")), "tcg")
+    assert a[a.index("--"):] == b[b.index("--"):]
+
+
+def test_netns_is_entered_with_nsenter_before_qemu() -> None:
+    argv = build_argv(spec(netns="aenv-ns-7"), "tcg")
+    assert argv[:3] == ["nsenter", "--net=/run/netns/aenv-ns-7", "--"]
+    assert build_argv(spec(netns=None), "tcg")[0] == "qemu-system-x86_64"
+
+
+def test_rootfs_is_the_first_block_device_and_read_only_drives_stay_read_only() -> None:
+    argv = build_argv(spec(), "tcg")
+    drives = opt(argv, "-drive")
+    assert drives[0].startswith("id=rootfs,file=rootfs.qcow2,format=qcow2")
+    assert "readonly=on" in drives[1] and "file=data.raw" in drives[1]
+    assert "discard=unmap" in drives[0] and "readonly" not in drives[0]
+    assert opt(argv, "-device")[0] == "virtio-blk-device,drive=rootfs"
+
+
+def test_network_device_uses_the_slot_tap_and_the_fixed_guest_mac() -> None:
+    argv = build_argv(spec(), "tcg")
+    assert opt(argv, "-netdev") == ["tap,id=net0,ifname=tap0,script=no,downscript=no"]
+    assert f"virtio-net-device,netdev=net0,mac={GUEST_MAC}" in opt(argv, "-device")
+    assert "-netdev" not in build_argv(spec(tap=None), "tcg")
+
+
+def test_guest_ram_is_a_shared_file_named_memory() -> None:
+    argv = build_argv(spec(memory_mib=512), "tcg")
+    assert opt(argv, "-object") == [
+        "memory-backend-file,id=mem,size=512M,mem-path=memory,share=on"]
+    assert "memory-backend=mem" in opt(argv, "-M")[0]
+    plain = build_argv(spec(memory_file=None), "tcg")
+    assert "-object" not in plain and "memory-backend" not in opt(plain, "-M")[0]
+
+
+def test_tcg_adds_the_tsc_frequency_once_and_kvm_does_not() -> None:
+    assert "tsc_early_khz=2596000 tsc=reliable" in kernel_cmdline(spec(), "tcg")
+    given = spec(boot_args="console=ttyS0 tsc_early_khz=2596000 tsc=reliable")
+    assert kernel_cmdline(given, "tcg").count("tsc_early_khz") == 1
+    assert "tsc_early_khz" not in kernel_cmdline(spec(), "kvm")
+
+
+def test_accelerator_selects_cpu_model() -> None:
+    tcg, kvm = build_argv(spec(), "tcg"), build_argv(spec(), "kvm")
+    assert opt(tcg, "-accel") == ["tcg"] and opt(tcg, "-cpu") == ["max"]
+    assert opt(kvm, "-accel") == ["kvm"] and opt(kvm, "-cpu") == ["host"]
+
+
+def test_console_qmp_and_pidfile_are_relative() -> None:
+    argv = build_argv(spec(), "tcg")
+    assert opt(argv, "-serial") == ["file:console.log"]
+    assert opt(argv, "-qmp") == ["unix:qmp.sock,server=on,wait=off"]
+    assert opt(argv, "-pidfile") == ["vmm.pid"]
+    assert opt(argv, "-kernel") == ["kernel"] and opt(argv, "-initrd") == ["initrd"]
