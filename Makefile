@@ -7,7 +7,7 @@ setup:
 	@./scripts/setup.sh
 
 run: setup
-	@$(VENV)/bin/python scripts/demo.py
+	@./scripts/run.sh
 
 test: setup
 	@$(VENV)/bin/pytest

@@ -52,14 +52,16 @@ def free_port() -> int:
 
 class Envd:
     """``python -m aenv.envd`` on 127.0.0.1, initialised as the orchestrator does (default
-    user, ``E2B_SANDBOX=true``, and an access token unless ``access_token=False``). Use as
-    a context manager; the process group is always stopped."""
+    user, ``E2B_SANDBOX=true``, and an access token unless ``access_token=False``), or not
+    at all with ``init=False`` (no token either). Use as a context manager; the process
+    group is always stopped."""
 
     def __init__(self, *args: str, default_user: str = "user", access_token: bool = True,
-                 log_path: Path | None = None) -> None:
+                 init: bool = True, log_path: Path | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.token = secrets.token_hex(16) if access_token else None
+        self.init = init
+        self.token = secrets.token_hex(16) if init and access_token else None
         self.default_user = default_user
         self._args = ["--default-user", default_user, *args]
         self.log_path = log_path
@@ -69,6 +71,8 @@ class Envd:
         self.proc = spawn_envd(self.port, *self._args, log_path=self.log_path)
         try:
             wait_healthy(self.url, self.proc)
+            if not self.init:
+                return self
             body: dict[str, Any] = {"defaultUser": self.default_user,
                                     "envVars": {"E2B_SANDBOX": "true"}}
             if self.token:

@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> None:
         http="auto",
         lifespan="on",
         timeout_keep_alive=300,
+        # Open streams must not keep shutdown (which kills child processes) waiting.
+        timeout_graceful_shutdown=2,
     )
 
 
