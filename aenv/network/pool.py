@@ -72,9 +72,11 @@ class SlotPool:
                                             daemon=True)
             self._worker.start()
 
-    def close(self) -> None:
+    def close(self, keep_leased: bool = False) -> None:
         """Stop the filler, destroy every slot this pool made or adopted (leased or not; stop
-        their VMMs first) and remove the host table: a clean shutdown leaves no trace."""
+        their VMMs first) and remove the host table: a clean shutdown leaves no trace.
+        ``keep_leased``: leave leased slots and the host table alone — their VMs keep
+        running for the next server to adopt."""
         with self._cv:
             if self._closed:
                 return
@@ -83,7 +85,10 @@ class SlotPool:
         if self._worker is not None:
             self._worker.join()
         with self._cv:
-            slots = [*self._warm, *self._dirty, *self._leased.values()]
+            slots = [*self._warm, *self._dirty]
+            slots_kept = bool(self._leased) and keep_leased
+            if not keep_leased:
+                slots += self._leased.values()
             self._warm.clear()
             self._dirty.clear()
             self._leased.clear()
@@ -92,7 +97,7 @@ class SlotPool:
                 slot.destroy()
             except NetworkError:
                 log.exception("slot %d: destroy on close failed", slot.index)
-        if self._started:
+        if self._started and not slots_kept:
             host.remove_table(self.addressing)
 
     def __enter__(self) -> Self:

@@ -88,6 +88,7 @@ class NodeMachines:
             detach = getattr(r.vm, "detach", None)
             if detach is not None:
                 await detach()
+        await asyncio.to_thread(self.pool.close, True)
 
     def in_use(self) -> set[int]:
         return {r.slot.index for r in self._running.values()}

@@ -184,6 +184,26 @@ def test_close_removes_every_slot_and_the_host_table(tmp_path):
         pool.acquire()
 
 
+def test_close_keeping_leased_slots_leaves_them_for_the_next_server(tmp_path):
+    pool = SlotPool(make_settings(tmp_path), warm_size=2)
+    pool.start()
+    leased = pool.acquire()
+    assert pool.wait_warm()
+    warm = [n for n in ns.list_names() if n.startswith(pool.addressing.prefix + "-")
+            and n != leased.netns]
+    pool.close(keep_leased=True)
+    try:
+        assert ns.exists(leased.netns)
+        assert not any(ns.exists(n) for n in warm)
+        assert ("inet", pool.addressing.prefix) in nft.list_tables()
+    finally:
+        again = SlotPool(make_settings(tmp_path), warm_size=0)
+        again.start(keep=[leased.index])
+        again.adopt(leased.index)
+        again.close()
+    assert not ns.exists(leased.netns)
+
+
 def test_adopting_a_slot_that_is_gone_fails_and_frees_its_index(pool_factory):
     pool = pool_factory()
     with pytest.raises(NetworkError):
