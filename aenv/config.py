@@ -1,8 +1,10 @@
 """Settings of the host side of aenv, read once from the environment.
 
 Everything aenv keeps lives under ``AENV_HOME`` (default ``/var/lib/aenv`` as root,
-``~/.local/share/aenv`` otherwise). The layout below is the one place that names those
-paths; modules ask ``Settings`` instead of joining strings themselves.
+``~/.local/share/aenv`` otherwise). Rebuildable artifacts — guest kernels, base images,
+downloads — may live elsewhere (``AENV_CACHE_HOME``, default: the home), so several homes
+(tests, a second server) can share them. The layout below is the one place that names
+those paths; modules ask ``Settings`` instead of joining strings themselves.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ def _env_int(name: str, default: int) -> int:
 @dataclass(frozen=True)
 class Settings:
     home: Path = field(default_factory=_default_home)
+    # Kernels, base images and downloads; None means ``home``.
+    cache_home: Path | None = None
     # Host-reachable sandbox addresses are taken from here (one /32 per network slot).
     host_cidr: str = "10.11.0.0/16"
     # veth pairs between the host and each sandbox namespace (one /31 per slot).
@@ -42,8 +46,10 @@ class Settings:
     @classmethod
     def from_env(cls) -> Settings:
         home = os.environ.get("AENV_HOME")
+        cache_home = os.environ.get("AENV_CACHE_HOME")
         return cls(
             home=Path(home) if home else _default_home(),
+            cache_home=Path(cache_home) if cache_home else None,
             host_cidr=os.environ.get("AENV_HOST_CIDR", cls.host_cidr),
             veth_cidr=os.environ.get("AENV_VETH_CIDR", cls.veth_cidr),
             name_prefix=os.environ.get("AENV_NAME_PREFIX", cls.name_prefix),
@@ -54,14 +60,23 @@ class Settings:
     # -- layout ---------------------------------------------------------------------------
 
     @cached_property
+    def artifacts(self) -> Path:
+        return self.cache_home or self.home
+
+    @cached_property
     def kernels_dir(self) -> Path:
         """Guest kernels and initramfs images, one directory per kernel build."""
-        return self.home / "kernels"
+        return self.artifacts / "kernels"
 
     @cached_property
     def images_dir(self) -> Path:
         """Content-addressed read-only root-filesystem images."""
-        return self.home / "images"
+        return self.artifacts / "images"
+
+    @cached_property
+    def layers_dir(self) -> Path:
+        """Read-only layers committed by template builds (state: they back templates)."""
+        return self.home / "layers"
 
     @cached_property
     def vms_dir(self) -> Path:
@@ -71,7 +86,7 @@ class Settings:
     @cached_property
     def cache_dir(self) -> Path:
         """Downloads and build scratch space (Debian packages, wheels, debootstrap trees)."""
-        return self.home / "cache"
+        return self.artifacts / "cache"
 
     @cached_property
     def secrets_dir(self) -> Path:

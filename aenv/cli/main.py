@@ -28,3 +28,6 @@ def _register() -> None:
 
 
 _register()
+
+if __name__ == "__main__":
+    app()

@@ -97,7 +97,7 @@ class NodeMachines:
 
     def _image_for(self, template: TemplateRecord) -> Path:
         if template.image and template.image.startswith("layer:"):
-            return disk_layers.resolve(template.image, self.settings.images_dir).path
+            return disk_layers.resolve(template.image, self.settings.layers_dir).path
         assert self.base is not None, "prepare() first"
         return self.base.path
 
@@ -203,7 +203,7 @@ class NodeMachines:
             raise InvalidRequest(f"build VM {rec.id} is not running on this node")
         await running.vm.stop()
         await asyncio.to_thread(self._release, running.slot)
-        layer = disk_layers.commit(running.disk, self.settings.images_dir,
+        layer = disk_layers.commit(running.disk, self.settings.layers_dir,
                                    f"{template_id}-{rec.id}")
         wd.remove(Path(rec.vm_dir or running.vm.workdir))
         return layer.ref()

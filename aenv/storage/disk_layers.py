@@ -1,7 +1,7 @@
 """Read-only image layers made from sandbox disks (template builds commit one each).
 
 A layer is the copy-on-write disk of a stopped build VM, moved — not copied — into
-``images_dir/layers``: a qcow2 overlay whose backing chain ends at a base image, or a
+``Settings.layers_dir``: a qcow2 overlay whose backing chain ends at a base image, or a
 reflink clone (raw) where the data directory supports it. New sandboxes get a disk over the
 layer exactly as over a base image. Layers are never written again.
 """
@@ -35,13 +35,8 @@ class Layer:
         return f"layer:{self.id}"
 
 
-def layers_dir(images_dir: Path) -> Path:
-    return images_dir / "layers"
-
-
-def commit(disk: Disk, images_dir: Path, layer_id: str) -> Layer:
+def commit(disk: Disk, directory: Path, layer_id: str) -> Layer:
     """Move ``disk`` (its VM stopped) into the layer store and freeze it."""
-    directory = layers_dir(images_dir)
     directory.mkdir(parents=True, exist_ok=True)
     dest = directory / f"{layer_id}.{disk.format}"
     if dest.exists():
@@ -53,21 +48,21 @@ def commit(disk: Disk, images_dir: Path, layer_id: str) -> Layer:
     return Layer(layer_id, dest, disk.format)
 
 
-def resolve(ref: str, images_dir: Path) -> Layer:
+def resolve(ref: str, directory: Path) -> Layer:
     """The layer a template's ``image`` reference names."""
     if not ref.startswith("layer:"):
         raise LayerError(f"not a layer reference: {ref!r}")
     layer_id = ref.removeprefix("layer:")
     for fmt in ("qcow2", "raw"):
-        path = layers_dir(images_dir) / f"{layer_id}.{fmt}"
+        path = directory / f"{layer_id}.{fmt}"
         if path.exists():
             return Layer(layer_id, path, fmt)  # type: ignore[arg-type]
-    raise LayerError(f"layer {layer_id} is missing from {layers_dir(images_dir)}")
+    raise LayerError(f"layer {layer_id} is missing from {directory}")
 
 
-def remove(ref: str, images_dir: Path) -> None:
+def remove(ref: str, directory: Path) -> None:
     try:
-        layer = resolve(ref, images_dir)
+        layer = resolve(ref, directory)
     except LayerError:
         return
     layer.path.unlink(missing_ok=True)

@@ -1,0 +1,153 @@
+"""A real ``aenv server`` subprocess with microVM sandboxes, for end-to-end tests.
+
+The server gets its own home (database, VM dirs, secrets) and its own object prefix and
+address ranges, but shares the host's kernel and image cache (``AENV_CACHE_HOME``) so the
+base image is built once per machine. At the end of the session every sandbox is killed
+through the API, the server is stopped, and the suite fails if any namespace, nft table
+or VMM process of its prefix is left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from aenv.config import Settings
+from tests.conftest import ROOT, free_port
+
+PREFIX = "aenvsv"
+pytestmark = [pytest.mark.vm, pytest.mark.net]
+
+
+class ServerProcess:
+    """``aenv server`` in a subprocess. Servers that may run at the same time need distinct
+    ``prefix`` and ``net`` (the second octet of their host and veth /24s)."""
+
+    def __init__(self, home: Path, prefix: str = PREFIX, net: int = 15) -> None:
+        self.home = home
+        self.settings = Settings(
+            home=home, cache_home=Settings.from_env().artifacts, name_prefix=prefix,
+            host_cidr=f"10.{net}.0.0/24", veth_cidr=f"10.{net + 1}.0.0/24", warm_slots=1)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = home / "server.log"
+        self.proc: subprocess.Popen | None = None
+        s = self.settings
+        self.env = {
+            **os.environ, "AENV_HOME": str(home), "AENV_CACHE_HOME": str(s.artifacts),
+            "AENV_NAME_PREFIX": s.name_prefix, "AENV_HOST_CIDR": s.host_cidr,
+            "AENV_VETH_CIDR": s.veth_cidr, "AENV_WARM_SLOTS": str(s.warm_slots),
+        }
+
+    def start(self, timeout: float = 600) -> None:
+        self.home.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "aenv.cli.main", "server", "--port", str(self.port)],
+            cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 204:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server did not start: {self.log_tail()}")
+
+    @property
+    def api_key(self) -> str:
+        return (self.home / "secrets/api-key").read_text().strip()
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def kill9(self) -> None:
+        """Crash the server (its VMMs run in their own process groups and survive)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def api(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"X-API-KEY": self.api_key}, timeout=120)
+
+    def kill_all_sandboxes(self) -> None:
+        with self.api() as c:
+            for s in c.get("/v2/sandboxes").json():
+                c.delete(f"/sandboxes/{s['sandboxID']}")
+
+
+def leftovers(settings: Settings) -> dict[str, list[str]]:
+    prefix = settings.name_prefix
+    netns = sorted(n for n in os.listdir("/run/netns") if n.startswith(prefix + "-")) \
+        if os.path.isdir("/run/netns") else []
+    tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True,
+                            check=False).stdout
+    vms = str(settings.vms_dir)
+    procs = []
+    for e in os.scandir("/proc"):
+        if e.name.isdigit():
+            try:
+                if os.readlink(f"/proc/{e.name}/cwd").startswith(vms):
+                    procs.append(e.name)
+            except OSError:
+                pass
+    return {"netns": netns, "nft": [t for t in tables.splitlines()
+                                    if t.split()[-1:] == [prefix]],
+            "vmm processes": procs}
+
+
+@pytest.fixture(scope="session")
+def live_server(tmp_path_factory) -> Iterator[ServerProcess]:
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    srv = ServerProcess(tmp_path_factory.mktemp("aenv-server"))
+    srv.start()
+    try:
+        yield srv
+    finally:
+        if srv.proc is not None and srv.proc.poll() is None:
+            try:
+                srv.kill_all_sandboxes()
+            except Exception:
+                pass
+        srv.stop()
+        left = leftovers(srv.settings)
+        if any(left.values()):
+            from aenv.network import cleanup_leftovers
+
+            cleanup_leftovers(srv.settings)
+            pytest.fail(f"the server left {left}\n{srv.log_tail()}")
+
+
+@pytest.fixture
+def sdk(live_server: ServerProcess, monkeypatch: pytest.MonkeyPatch) -> ServerProcess:
+    """The E2B SDK configured only through its environment variables."""
+    monkeypatch.setenv("E2B_API_KEY", live_server.api_key)
+    monkeypatch.setenv("E2B_API_URL", live_server.url)
+    monkeypatch.setenv("E2B_SANDBOX_URL", live_server.url)
+    monkeypatch.delenv("E2B_DOMAIN", raising=False)
+    return live_server

@@ -1,0 +1,53 @@
+"""List filters and pagination of GET /v2/sandboxes."""
+
+from __future__ import annotations
+
+from urllib.parse import quote, urlencode
+
+import pytest
+
+from aenv.api.errors import ApiError
+from aenv.api.listing import parse_metadata_filter, parse_states, select
+from aenv.store import SandboxRecord
+
+
+def _rec(i: int, **meta: str) -> SandboxRecord:
+    return SandboxRecord(id=f"s{i:02d}", template_id="base", state="running", client_id="c",
+                         started_at=1000.0 + i, end_at=2000.0, cpu_count=1, memory_mb=256,
+                         disk_size_mb=1024, metadata=meta)
+
+
+def test_metadata_filter_is_decoded_in_three_steps() -> None:
+    # What the SDK sends for {"k": "v w", "a&b": "c=d"} (spec 2.5), after the HTTP layer
+    # decoded the query parameter once.
+    inner = urlencode({"k": quote("v w"), "a&b": quote("c=d")}, quote_via=quote)
+    assert parse_metadata_filter(quote(inner)) == {"k": "v w", "a&b": "c=d"}
+
+
+def test_a_filter_pair_without_equals_is_400() -> None:
+    with pytest.raises(ApiError):
+        parse_metadata_filter("justakey")
+
+
+def test_states_default_to_both_and_reject_unknown() -> None:
+    assert parse_states(None) == {"running", "paused"}
+    with pytest.raises(ApiError):
+        parse_states("running,dead")
+
+
+def test_pages_are_newest_first_and_resume_after_the_cursor() -> None:
+    recs = [_rec(i, g="x") for i in range(5)]
+    page, token = select(recs, metadata={"g": "x"}, states={"running"}, limit=2)
+    assert [r.id for r in page] == ["s04", "s03"] and token
+    page2, token2 = select(recs, metadata={"g": "x"}, states={"running"}, limit=2,
+                           next_token=token)
+    assert [r.id for r in page2] == ["s02", "s01"]
+    page3, token3 = select(recs, metadata={"g": "x"}, states={"running"}, limit=2,
+                           next_token=token2)
+    assert [r.id for r in page3] == ["s00"] and token3 is None
+
+
+def test_all_metadata_pairs_must_match() -> None:
+    recs = [_rec(1, a="1", b="2"), _rec(2, a="1")]
+    page, _ = select(recs, metadata={"a": "1", "b": "2"}, states={"running"})
+    assert [r.id for r in page] == ["s01"]

@@ -1,0 +1,202 @@
+"""The lifecycle state machine with a stand-in for the host (unit tests of one module)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from aenv.orchestrator.errors import (
+    Conflict,
+    LimitReached,
+    SandboxNotFound,
+    StartFailed,
+    TemplateNotFound,
+)
+from aenv.orchestrator.machine import Placement
+from aenv.orchestrator.service import CreateOptions, Limits, Orchestrator
+from aenv.store import Database, SandboxStore, TemplateRecord, TemplateStore
+
+
+class FakeMachines:
+    can_pause = True
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.delay = delay
+        self.started: list[str] = []
+        self.stopped: list[str] = []
+        self.paused: list[str] = []
+        self.resumed: list[str] = []
+        self.fail = False
+        self.alive: set[str] = set()
+
+    async def prepare(self, keep_slots, keep_vms) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def start(self, rec, template) -> Placement:
+        await asyncio.sleep(self.delay)
+        if self.fail:
+            raise RuntimeError("boom")
+        self.started.append(rec.id)
+        self.alive.add(rec.id)
+        return Placement(vm_dir=f"/vms/{rec.id}", vm_pid=100, slot=len(self.started),
+                         host_ip="10.11.0.1", runtime="fake")
+
+    async def stop(self, rec) -> None:
+        await asyncio.sleep(self.delay)
+        self.stopped.append(rec.id)
+        self.alive.discard(rec.id)
+
+    async def reattach(self, rec) -> bool:
+        return rec.id in self.alive
+
+    async def pause(self, rec, memory) -> str:
+        await asyncio.sleep(self.delay)
+        self.paused.append(rec.id)
+        self.alive.discard(rec.id)
+        return f"snap-{rec.id}"
+
+    async def resume(self, rec) -> Placement:
+        await asyncio.sleep(self.delay)
+        self.resumed.append(rec.id)
+        self.alive.add(rec.id)
+        return Placement(vm_dir=f"/vms/{rec.id}", vm_pid=200, slot=9, host_ip="10.11.0.9",
+                         runtime="fake")
+
+    async def commit(self, rec, template_id) -> str:
+        return "layer:x"
+
+    def logs(self, rec, start, limit) -> list[dict]:
+        return []
+
+    def in_use(self) -> set[int]:
+        return set()
+
+
+@pytest.fixture
+def world():
+    db = Database(":memory:")
+    sandboxes, templates = SandboxStore(db), TemplateStore(db)
+    now = time.time()
+    templates.insert(TemplateRecord(id="base", kind="template", build_id="b", status="ready",
+                                    cpu_count=1, memory_mb=256, disk_size_mb=1024,
+                                    created_at=now, updated_at=now, names=["base"]))
+    machines = FakeMachines(delay=0.05)
+    return Orchestrator(sandboxes, templates, machines, limits=Limits(max_sandboxes=3,
+                                                                      max_starting=2)), machines
+
+
+async def test_create_runs_and_kill_removes(world) -> None:
+    orch, m = world
+    rec = await orch.create(CreateOptions(template="base", metadata={"a": "b"}))
+    assert rec.state == "running" and rec.envd_token and rec.metadata == {"a": "b"}
+    await orch.kill(rec.id)
+    assert m.stopped == [rec.id]
+    with pytest.raises(SandboxNotFound):
+        orch.get(rec.id)
+
+
+async def test_unknown_template_is_not_found(world) -> None:
+    orch, _ = world
+    with pytest.raises(TemplateNotFound):
+        await orch.create(CreateOptions(template="nope"))
+
+
+async def test_failed_start_leaves_no_live_sandbox(world) -> None:
+    orch, m = world
+    m.fail = True
+    with pytest.raises(StartFailed):
+        await orch.create(CreateOptions(template="base"))
+    assert orch.sandboxes.live() == []
+
+
+async def test_idempotency_key_returns_the_same_sandbox(world) -> None:
+    orch, m = world
+    a = await orch.create(CreateOptions(template="base", idempotency_key="k-1"))
+    b = await orch.create(CreateOptions(template="base", idempotency_key="k-1"))
+    assert a.id == b.id and len(m.started) == 1
+
+
+async def test_limits_answer_429(world) -> None:
+    orch, _ = world
+    for _ in range(3):
+        await orch.create(CreateOptions(template="base"))
+    with pytest.raises(LimitReached):
+        await orch.create(CreateOptions(template="base"))
+
+
+async def test_concurrent_starts_beyond_the_limit_are_refused(world) -> None:
+    orch, _ = world
+    results = await asyncio.gather(*(orch.create(CreateOptions(template="base"))
+                                     for _ in range(3)), return_exceptions=True)
+    assert sum(isinstance(r, LimitReached) for r in results) == 1
+
+
+async def test_pause_while_a_kill_is_in_flight_finds_the_sandbox_gone(world) -> None:
+    orch, m = world
+    rec = await orch.create(CreateOptions(template="base"))
+    kill = asyncio.create_task(orch.kill(rec.id))
+    await asyncio.sleep(0)
+    with pytest.raises(SandboxNotFound):
+        await orch.pause(rec.id)
+    await kill
+    assert m.paused == []
+
+
+async def test_two_connects_to_a_paused_sandbox_resume_it_once(world) -> None:
+    orch, m = world
+    rec = await orch.create(CreateOptions(template="base"))
+    await orch.pause(rec.id)
+    assert orch.get(rec.id).state == "paused"
+    (r1, resumed1), (r2, resumed2) = await asyncio.gather(orch.connect(rec.id, 60),
+                                                          orch.connect(rec.id, 60))
+    assert m.resumed == [rec.id]
+    assert sorted([resumed1, resumed2]) == [False, True]
+    assert orch.get(rec.id).state == "running"
+
+
+async def test_pausing_a_paused_sandbox_conflicts(world) -> None:
+    orch, _ = world
+    rec = await orch.create(CreateOptions(template="base"))
+    await orch.pause(rec.id)
+    with pytest.raises(Conflict):
+        await orch.pause(rec.id)
+
+
+async def test_ttl_kills_or_pauses(world) -> None:
+    orch, m = world
+    kill_me = await orch.create(CreateOptions(template="base", timeout=0))
+    pause_me = await orch.create(CreateOptions(template="base", timeout=0, auto_pause=True))
+    await orch.expire_once()
+    with pytest.raises(SandboxNotFound):
+        orch.get(kill_me.id)
+    assert orch.get(pause_me.id).state == "paused"
+
+
+async def test_recovery_reattaches_live_vms_and_reports_the_rest_lost(world) -> None:
+    orch, m = world
+    alive = await orch.create(CreateOptions(template="base"))
+    dead = await orch.create(CreateOptions(template="base"))
+    m.alive.discard(dead.id)
+    await orch.recover()
+    assert orch.get(alive.id).state == "running"
+    with pytest.raises(SandboxNotFound):
+        orch.get(dead.id)
+    assert orch.sandboxes.get(dead.id, live_only=False).state == "lost"
+
+
+def test_connect_extends_but_never_shortens_the_ttl(world) -> None:
+    orch, _ = world
+
+    async def go():
+        rec = await orch.create(CreateOptions(template="base", timeout=300))
+        await orch.connect(rec.id, 10)
+        assert orch.get(rec.id).end_at == pytest.approx(rec.end_at, abs=0.01)
+        await orch.connect(rec.id, 600)
+        assert orch.get(rec.id).end_at > rec.end_at + 200
+
+    asyncio.run(go())
