@@ -6,6 +6,7 @@ collaborators) so the API can be served and tested without the rest of the serve
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,7 @@ class BodyLimit:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        scope["aenv.received"] = time.perf_counter()  # start of the "api" phase
         for k, v in scope["headers"]:
             if k == b"content-length" and v.isdigit() and int(v) > self.limit:
                 return await error_response(413, "request body too large")(scope, receive, send)

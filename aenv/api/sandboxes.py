@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import re
+import time
 from typing import Annotated
 
 from fastapi import APIRouter, Body, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from ..orchestrator.service import DEFAULT_TIMEOUT_S, CreateOptions, Orchestrator
+from ..orchestrator.timing import server_timing
 from . import listing, views
 from .errors import ApiError
 from .models import (
@@ -51,8 +53,15 @@ async def _create(request: Request, body: NewSandbox, idem: str | None, v1: bool
         memory_mb=body.memoryMB,
         idempotency_key=idem,
     )
-    rec = await orch(request).create(opts)
-    return JSONResponse(views.sandbox(rec, domain(request)), status_code=201)
+    timings: dict[str, float] = {}
+    t_handler = time.perf_counter()
+    rec = await orch(request).create(opts, timings)
+    received = request.scope.get("aenv.received")
+    if received is not None:
+        timings = {"api": t_handler - received + (time.perf_counter() - t_handler
+                                                  - sum(timings.values())), **timings}
+    return JSONResponse(views.sandbox(rec, domain(request)), status_code=201,
+                        headers={"Server-Timing": server_timing(timings)})
 
 
 @router.post("/v2/sandboxes")

@@ -7,7 +7,7 @@ the result; tests of the lifecycle can stand in a fake here without touching the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from ..store import SandboxRecord, TemplateRecord
@@ -22,6 +22,8 @@ class Placement:
     slot: int
     host_ip: str
     runtime: str
+    # Where the time went, seconds per phase (e.g. slot, disk, vmm, kernel, init, envd).
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 class Machines(Protocol):

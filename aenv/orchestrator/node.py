@@ -106,6 +106,7 @@ class NodeMachines:
         t0 = time.monotonic()
         policy = egress_policy(rec)
         slot = await asyncio.to_thread(self.pool.acquire, policy)
+        t_slot = time.monotonic()
         workdir = self.settings.vms_dir / rec.id
         vm: VM | None = None
         disk: Disk | None = None
@@ -122,6 +123,7 @@ class NodeMachines:
             )
             url = f"http://{slot.host_ip}:{ENVD_PORT}"
             vm, phases = await boot_until_ready(self.runtime, spec, url, ENVD_READY_TIMEOUT_S)
+            t_boot = time.monotonic()
             envd = EnvdClient(url)
             try:
                 await envd.init(access_token=rec.envd_token, env_vars=rec.env_vars,
@@ -138,12 +140,17 @@ class NodeMachines:
             await asyncio.to_thread(self._release, slot)
             raise
         self._running[rec.id] = _Running(vm, slot, disk)
-        log.info("sandbox %s: slot %d, disk %s %.0f ms, boot %.2f s, total %.2f s", rec.id,
-                 slot.index, disk.method, (t_disk - t0) * 1000, phases.total,
-                 time.monotonic() - t0,
+        timing = {
+            "slot": t_slot - t0, "disk": t_disk - t_slot,
+            "prepare": t_boot - t_disk - phases.total, "vmm": phases.vmm_to_qmp,
+            "kernel": phases.kernel_to_init, "init": phases.init_to_envd_exec,
+            "envd": phases.envd_exec_to_health, "envd_init": time.monotonic() - t_boot,
+        }
+        log.info("sandbox %s: slot %d, disk %s, %s", rec.id, slot.index, disk.method,
+                 " ".join(f"{k}={v * 1000:.0f}ms" for k, v in timing.items()),
                  extra={"sandbox_id": rec.id, "op": "create", "duration": time.monotonic() - t0})
         return Placement(vm_dir=str(workdir), vm_pid=vm.pid, slot=slot.index,
-                         host_ip=slot.host_ip, runtime=self.runtime.name)
+                         host_ip=slot.host_ip, runtime=self.runtime.name, phases=timing)
 
     async def _start_command(self, envd: EnvdClient, template: TemplateRecord) -> None:
         """Cold-boot path for templates with a start command: run it, wait for ready."""

@@ -21,6 +21,7 @@ from ..store import SandboxRecord, SandboxStore, TemplateRecord, TemplateStore
 from .errors import Conflict, LimitReached, SandboxNotFound, StartFailed, TemplateNotFound
 from .ids import new_id, new_token
 from .machine import Machines
+from .timing import record_phases
 
 log = logging.getLogger("aenv.orchestrator")
 
@@ -109,7 +110,10 @@ class Orchestrator:
 
     # -- create ---------------------------------------------------------------------------
 
-    async def create(self, opts: CreateOptions) -> SandboxRecord:
+    async def create(self, opts: CreateOptions,
+                     timings: dict[str, float] | None = None) -> SandboxRecord:
+        """Make and boot a sandbox; ``timings``, when given, receives seconds per phase."""
+        t_start = self.clock()
         if opts.idempotency_key:
             existing = self.sandboxes.by_idempotency_key(opts.idempotency_key)
             if existing is not None:
@@ -170,6 +174,11 @@ class Orchestrator:
                     raise SandboxNotFound(rec.id)
                 self.templates.update(tpl.id, last_spawned_at=now,
                                       spawn_count=tpl.spawn_count + 1)
+                phases = {"orchestrator": self.clock() - t_start - sum(placement.phases.values()),
+                          **placement.phases}
+                record_phases("create", phases)
+                if timings is not None:
+                    timings.update(phases)
                 log.info("sandbox %s: running (template %s) in %.0f ms", rec.id, tpl.id,
                          (now - t0) * 1000)
         finally:

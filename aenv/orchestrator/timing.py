@@ -1,0 +1,27 @@
+"""Where lifecycle time goes: per-phase durations as Prometheus histograms.
+
+Phases of a create: ``orchestrator`` (checks, store writes), then what the machines report
+(``slot``, ``disk``, ``prepare``, ``vmm``, ``kernel``, ``init``, ``envd``, ``envd_init``).
+The API adds ``api`` and returns all of them in a ``Server-Timing`` header.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Histogram
+
+PHASE_SECONDS = Histogram(
+    "aenv_sandbox_phase_seconds", "Duration of one phase of a sandbox operation",
+    ["operation", "phase"],
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10,
+             30, 60),
+)
+
+
+def record_phases(operation: str, phases: dict[str, float]) -> None:
+    for phase, seconds in phases.items():
+        PHASE_SECONDS.labels(operation, phase).observe(max(seconds, 0.0))
+
+
+def server_timing(phases: dict[str, float]) -> str:
+    """``Server-Timing`` header value (milliseconds, as the header wants)."""
+    return ", ".join(f"{k};dur={v * 1000:.3f}" for k, v in phases.items())
