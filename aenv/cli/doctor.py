@@ -1,8 +1,13 @@
-"""``aenv doctor``: what this host can and cannot do (filled in as checks land)."""
+"""``aenv doctor``: what this host can and cannot do, one row per check.
+
+Each area reports its own rows (``doctor_checks()`` in aenv.runtime, aenv.storage.disks,
+aenv.network); this command only adds the host basics and prints them.
+"""
 
 from __future__ import annotations
 
 import platform
+import shutil
 
 import typer
 from rich.console import Console
@@ -13,13 +18,29 @@ def register(app: typer.Typer) -> None:
     app.command()(doctor)
 
 
+def _free_disk(path) -> str:
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    usage = shutil.disk_usage(probe)
+    return f"{usage.free / 2**30:.1f} GiB free of {usage.total / 2**30:.1f} GiB at {probe}"
+
+
 def doctor() -> None:
     """Check the host: kernel, virtualization, storage, networking."""
-    table = Table("check", "result")
-    table.add_row("kernel", platform.release())
-    from aenv import runtime
+    from aenv import network, runtime
+    from aenv.config import Settings
     from aenv.storage import disks
 
-    for check, result in [*runtime.doctor_checks(), *disks.doctor_checks()]:
+    settings = Settings.from_env()
+    table = Table("check", "result")
+    rows = [
+        ("host kernel", f"{platform.release()} ({platform.machine()})"),
+        ("data dir", _free_disk(settings.home)),
+        *runtime.doctor_checks(),
+        *disks.doctor_checks(settings.home),
+        *network.doctor_checks(),
+    ]
+    for check, result in rows:
         table.add_row(check, result)
     Console().print(table)
