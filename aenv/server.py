@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .api.app import create_api
@@ -32,7 +32,7 @@ AUTO_RESUME_MIN_TIMEOUT_S = 300
 @dataclass
 class ServerOptions:
     domain: str = "localhost"
-    limits: Limits = Limits()
+    limits: Limits = field(default_factory=Limits)
     ttl_interval: float = 1.0
     metrics_interval: float = 5.0
     default_cpu: int = 1
@@ -114,14 +114,14 @@ class Server:
         return Route(
             sandbox_id=rec.id, host_ip=rec.host_ip, generation=f"{rec.vm_pid}:{rec.host_ip}",
             envd_token=rec.envd_token, traffic_token=rec.traffic_token,
-            public_traffic=not (rec.network or {}).get("allowPublicTraffic") is False,
+            public_traffic=(rec.network or {}).get("allowPublicTraffic") is not False,
         )
 
     async def _signed_lookup(self, path: str, op: str, user: str | None, signature: str,
                              expiration: str | None) -> str | None:
         """The running sandbox whose token produced ``signature`` (signed URLs carry no
         routing headers)."""
-        from .envd.signing import signature_for  # noqa: PLC0415 (lands with /files)
+        from .envd.signing import signature_for
 
         exp = int(expiration) if expiration and expiration.isdigit() else None
         for rec in self.sandboxes.in_states(("running",)):

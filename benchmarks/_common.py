@@ -1,5 +1,6 @@
 """Helpers shared by the benchmark scripts: latency summaries, the one-JSON-object output,
-and an envd started on the host for the length of a benchmark.
+an envd started on the host for the length of a benchmark, a server started in a child
+process (``spawn_child``), and the parsing of a create's ``Server-Timing`` header.
 
 Each benchmark prints exactly one JSON object on stdout (figures in milliseconds unless a
 key says otherwise); progress and notes go to stderr. Timings on the shared 2-core
@@ -128,3 +129,45 @@ def stop(proc: subprocess.Popen[bytes], grace: float = 5.0) -> None:
         except subprocess.TimeoutExpired:
             pass
     proc.wait()
+
+
+def spawn_child(argv: list[str], health_url: str, *, log_path: Path | None = None,
+                env: dict[str, str] | None = None, timeout: float = 60.0
+                ) -> subprocess.Popen[bytes]:
+    """Start ``argv`` in its own process group (output to ``log_path`` or nowhere) and
+    return once ``health_url`` answers below 500. A child that dies or never answers is
+    stopped and reported with the tail of its log."""
+    out = open(log_path, "ab") if log_path is not None else subprocess.DEVNULL
+    try:
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    finally:
+        if log_path is not None:
+            out.close()  # type: ignore[union-attr]  # the child keeps its own copy
+    deadline = time.monotonic() + timeout
+    with httpx.Client(timeout=1.0) as client:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                break
+            try:
+                if client.get(health_url).status_code < 500:
+                    return proc
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+    stop(proc)
+    tail = log_path.read_text(errors="replace")[-3000:] if log_path is not None else ""
+    raise RuntimeError(f"{argv[:4]} did not answer {health_url} (exit {proc.returncode})\n"
+                       f"{tail}")
+
+
+def parse_server_timing(header: str) -> dict[str, float]:
+    """``api;dur=1.2, slot;dur=0.3`` -> ``{"api": 1.2, "slot": 0.3}`` (milliseconds)."""
+    phases: dict[str, float] = {}
+    for entry in header.split(","):
+        name, *params = (part.strip() for part in entry.split(";"))
+        for param in params:
+            key, _, value = param.partition("=")
+            if name and key == "dur":
+                phases[name] = float(value)
+    return phases

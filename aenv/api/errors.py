@@ -47,7 +47,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(OrchestratorError)
     async def _orch(_: Request, exc: OrchestratorError) -> JSONResponse:
         # Failures after side effects must not be retried by the SDK (it retries POSTs).
-        retry = True if exc.status == 429 else False
+        retry = exc.status == 429
         return error_response(exc.status, exc.message, retry=retry)
 
     @app.exception_handler(RequestValidationError)

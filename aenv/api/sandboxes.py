@@ -86,8 +86,8 @@ async def list_v2(
     metadata: str | None = None,
     state: str | None = None,
     limit: int | None = None,
-    nextToken: str | None = None,  # noqa: N803 (wire name)
-    startedAfter: str | None = None,  # noqa: N803
+    nextToken: str | None = None,
+    startedAfter: str | None = None,
     template: str | None = None,
     order: str = "desc",
 ) -> Response:

@@ -123,7 +123,7 @@ async def start_build(request: Request, template_id: str, build_id: str,
 
 @router.get("/templates/{template_id}/builds/{build_id}/status")
 async def build_status(request: Request, template_id: str, build_id: str,
-                       logsOffset: Annotated[int, Query(ge=0)] = 0,  # noqa: N803
+                       logsOffset: Annotated[int, Query(ge=0)] = 0,
                        limit: Annotated[int, Query(ge=1, le=LOGS_PAGE)] = LOGS_PAGE,
                        level: str | None = None) -> Response:
     b = store(request).get_build(build_id)

@@ -18,8 +18,8 @@ from typing import Any
 
 from connectrpc.code import Code
 from connectrpc.codec import proto_json_codec
-from connectrpc.errors import ConnectError
 from connectrpc.compression import Compression
+from connectrpc.errors import ConnectError
 from connectrpc.method import IdempotencyLevel, MethodInfo
 from connectrpc.server import ConnectASGIApplication, Endpoint
 

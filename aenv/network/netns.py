@@ -68,7 +68,7 @@ def _in_thread(fn: Callable[[], T]) -> T:
     def main() -> None:
         try:
             box["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+        except BaseException as e:
             box["error"] = e
 
     t = threading.Thread(target=main, name="aenv-netns", daemon=True)

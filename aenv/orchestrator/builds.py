@@ -264,7 +264,7 @@ class Builder:
 
     async def _copy(self, envd: EnvdClient, build_id: str, step: str, s: dict[str, Any],
                     ctx: BuildContext) -> None:
-        args = list(s.get("args") or []) + ["", "", "", ""]
+        args = [*(s.get("args") or []), "", "", "", ""]
         src, dest, owner, mode = args[:4]
         if not src or not dest or src.startswith("/") or ".." in src.split("/"):
             raise StepFailed(step, f"COPY needs a relative source and a destination: {args[:2]}")

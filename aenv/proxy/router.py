@@ -96,6 +96,7 @@ class ProxyRouter:
         self.routes = routes
         self.connect_timeout = connect_timeout
         self._clients: dict[str, tuple[str, httpx.AsyncClient]] = {}
+        self._closing: set[asyncio.Task] = set()
 
     async def close(self) -> None:
         for _, client in self._clients.values():
@@ -113,7 +114,9 @@ class ProxyRouter:
         if entry and entry[0] == route.generation:
             return entry[1]
         if entry:
-            asyncio.create_task(entry[1].aclose())
+            closing = asyncio.create_task(entry[1].aclose())
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
         client = httpx.AsyncClient(
             timeout=httpx.Timeout(None, connect=self.connect_timeout),
             limits=httpx.Limits(max_connections=256, max_keepalive_connections=32,
@@ -191,13 +194,14 @@ class ProxyRouter:
         query = scope.get("query_string", b"").decode()
         uri = f"ws://{route.host_ip}:{port}{scope['path']}" + (f"?{query}" if query else "")
         headers = [(k.decode(), v.decode()) for k, v in scope["headers"]
-                   if k not in _HOP_BY_HOP and k not in _STRIP and not k.startswith(b"sec-websocket")]
+                   if k not in _HOP_BY_HOP and k not in _STRIP
+                   and not k.startswith(b"sec-websocket")]
         subprotocols = scope.get("subprotocols") or None
         try:
-            upstream = await websockets.connect(uri, additional_headers=headers,
-                                                subprotocols=subprotocols, open_timeout=self.connect_timeout,
-                                                max_size=None)
-        except (OSError, websockets.InvalidHandshake, asyncio.TimeoutError):
+            upstream = await websockets.connect(
+                uri, additional_headers=headers, subprotocols=subprotocols,
+                open_timeout=self.connect_timeout, max_size=None)
+        except (TimeoutError, OSError, websockets.InvalidHandshake):
             await send({"type": "websocket.close", "code": 1011})
             return
         await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
@@ -223,7 +227,8 @@ class ProxyRouter:
             finally:
                 await send({"type": "websocket.close", "code": upstream.close_code or 1000})
 
-        tasks = [asyncio.create_task(client_to_upstream()), asyncio.create_task(upstream_to_client())]
+        tasks = [asyncio.create_task(client_to_upstream()),
+                 asyncio.create_task(upstream_to_client())]
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:

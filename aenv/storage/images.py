@@ -5,8 +5,8 @@ Sources: a directory, a rootfs tarball, an OCI image (layout directory, OCI arch
 (Debian minbase by debootstrap, see ``aenv.guest.base``). A build assembles a tree as root
 in the cache, optionally adds the guest layer (aenv's init and envd, and for the cloud
 kernel its ``/lib/modules``), and writes ``images_dir/<digest>/rootfs.ext4`` with
-``mkfs.ext4 -d``. The digest is the sha256 of every input (source content, guest layer,
-kernel, size, builder version), so building the same input again is a cache hit and any
+``mkfs.ext4 -d``. The digest is the sha256 of every input (name, source content, guest
+layer, kernel, size, builder version), so building the same input again is a cache hit and any
 change to envd's code gives a new image. Images are read-only once written: each VM gets
 its own copy-on-write disk over one.
 """
@@ -66,7 +66,7 @@ def ensure_base_image(
         "suite": debian.DEBIAN_SUITE, "mirror": debian.DEBIAN_MIRROR, "include": packages,
     })
     digest = _image_digest(
-        {"kind": "debian-base", "tree": tree_key}, kernel_flavor, kernel, True, size_bytes
+        BASE_NAME, {"kind": "debian-base", "tree": tree_key}, kernel_flavor, kernel, True, size_bytes
     )
 
     def populate(tree: Path) -> None:
@@ -107,7 +107,7 @@ def build_image(
     )
     kind, source_digest = _source_digest(source)
     digest = _image_digest(
-        {"kind": kind, "source": source_digest}, kernel_flavor, kernel, guest_layer, size_bytes
+        name, {"kind": kind, "source": source_digest}, kernel_flavor, kernel, guest_layer, size_bytes
     )
 
     def populate(tree: Path) -> None:
@@ -187,11 +187,12 @@ def _sha256_json(value: object) -> str:
 
 
 def _image_digest(
-    source: dict[str, str], kernel_flavor: str, kernel: Kernel | None, guest_layer: bool,
+    name: str, source: dict[str, str], kernel_flavor: str, kernel: Kernel | None, guest_layer: bool,
     size_bytes: int | None,
 ) -> str:
     return _sha256_json({
         "builder": BUILDER_VERSION,
+        "name": name,
         "source": source,
         "kernel_flavor": kernel_flavor,
         "kernel_version": kernel.version if kernel and kernel.modules else "",

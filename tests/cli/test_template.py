@@ -11,8 +11,6 @@ import json
 import secrets
 from pathlib import Path
 
-import pytest
-
 from .conftest import Aenv
 
 

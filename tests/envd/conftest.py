@@ -9,7 +9,10 @@ the SDK then does goes to the real envd over ``E2B_SANDBOX_URL``.
 
 from __future__ import annotations
 
+import os
 import secrets
+import shutil
+import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -66,3 +69,18 @@ async def async_sandbox(sdk_env):
 
     sbx = await AsyncSandbox.create("base")
     yield sbx
+
+
+@pytest.fixture
+def home_path() -> Iterator[str]:
+    """A path under the sandbox user's home that does not exist yet; removed afterwards."""
+    path = f"/home/user/aenv-t-{uuid.uuid4().hex[:10]}"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def home_dir(home_path: str) -> str:
+    """Like ``home_path``, but the directory exists (made by root)."""
+    os.mkdir(home_path)
+    return home_path

@@ -3,24 +3,12 @@
 from __future__ import annotations
 
 import os
-import shutil
-import uuid
-from collections.abc import Iterator
 
 import httpx
 import pytest
 from e2b import AuthenticationException
 
 from aenv.envd.signing import signature
-
-
-@pytest.fixture
-def home_dir() -> Iterator[str]:
-    path = f"/home/user/aenv-t-{uuid.uuid4().hex[:10]}"
-    os.mkdir(path)
-    os.chown(path, 1001, 1001)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def test_signature_matches_the_sdks(access_token):

@@ -4,23 +4,13 @@ from __future__ import annotations
 
 import gzip
 import os
-import shutil
 import subprocess
 import tempfile
-import uuid
 from collections.abc import Iterator
 from email.utils import formatdate
 
 import httpx
 import pytest
-
-
-@pytest.fixture
-def home_dir() -> Iterator[str]:
-    path = f"/home/user/aenv-t-{uuid.uuid4().hex[:10]}"
-    os.mkdir(path)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -3,19 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
-import uuid
-from collections.abc import Iterator
-
-import pytest
-
-
-@pytest.fixture
-def home_dir() -> Iterator[str]:
-    path = f"/home/user/aenv-t-{uuid.uuid4().hex[:10]}"
-    os.mkdir(path)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _xattrs(path: str) -> dict[str, bytes]:

@@ -3,25 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
 import time
-import uuid
-from collections.abc import Iterator
 
 import httpx
 import pytest
 from e2b import FileNotFoundException, FilesystemEventType, SandboxException
 
 E = FilesystemEventType
-
-
-@pytest.fixture
-def home_dir() -> Iterator[str]:
-    path = f"/home/user/aenv-t-{uuid.uuid4().hex[:10]}"
-    os.mkdir(path)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 async def _until(predicate, timeout: float = 5.0) -> None:

@@ -7,22 +7,11 @@ drained inotify before it answers.
 from __future__ import annotations
 
 import os
-import shutil
-import uuid
-from collections.abc import Iterator
 
 import pytest
 from e2b import FileNotFoundException, FilesystemEventType, FileType, SandboxException
 
 E = FilesystemEventType
-
-
-@pytest.fixture
-def home_dir() -> Iterator[str]:
-    path = f"/home/user/aenv-t-{uuid.uuid4().hex[:10]}"
-    os.mkdir(path)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _kinds(events) -> list[tuple[str, E]]:

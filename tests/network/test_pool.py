@@ -80,7 +80,7 @@ def test_concurrent_acquires_get_distinct_slots(pool_factory):
     def take():
         try:
             got.append(pool.acquire())
-        except Exception as e:  # noqa: BLE001 - reported below
+        except Exception as e:
             errors.append(e)
 
     threads = [threading.Thread(target=take) for _ in range(6)]

@@ -152,7 +152,7 @@ async def test_two_connects_to_a_paused_sandbox_resume_it_once(world) -> None:
     rec = await orch.create(CreateOptions(template="base"))
     await orch.pause(rec.id)
     assert orch.get(rec.id).state == "paused"
-    (r1, resumed1), (r2, resumed2) = await asyncio.gather(orch.connect(rec.id, 60),
+    (_, resumed1), (_, resumed2) = await asyncio.gather(orch.connect(rec.id, 60),
                                                           orch.connect(rec.id, 60))
     assert m.resumed == [rec.id]
     assert sorted([resumed1, resumed2]) == [False, True]
@@ -168,7 +168,7 @@ async def test_pausing_a_paused_sandbox_conflicts(world) -> None:
 
 
 async def test_ttl_kills_or_pauses(world) -> None:
-    orch, m = world
+    orch, _ = world
     kill_me = await orch.create(CreateOptions(template="base", timeout=0))
     pause_me = await orch.create(CreateOptions(template="base", timeout=0, auto_pause=True))
     await orch.expire_once()

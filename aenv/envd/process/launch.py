@@ -226,7 +226,7 @@ def _spawn_forking(spec: LaunchSpec) -> Spawned:
             popen = subprocess.Popen(
                 spec.argv(), stdin=slave, stdout=slave, stderr=slave, env=spec.env,
                 close_fds=True, start_new_session=True,
-                preexec_fn=take_controlling_tty,  # noqa: PLW1509
+                preexec_fn=take_controlling_tty,
                 **creds,  # type: ignore[arg-type]
             )
         except BaseException:
