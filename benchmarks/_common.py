@@ -137,24 +137,22 @@ def spawn_child(argv: list[str], health_url: str, *, log_path: Path | None = Non
     """Start ``argv`` in its own process group (output to ``log_path`` or nowhere) and
     return once ``health_url`` answers below 500. A child that dies or never answers is
     stopped and reported with the tail of its log."""
-    out = open(log_path, "ab") if log_path is not None else subprocess.DEVNULL
-    try:
+    with open(log_path if log_path is not None else os.devnull, "ab") as out:
         proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
-    finally:
-        if log_path is not None:
-            out.close()  # type: ignore[union-attr]  # the child keeps its own copy
     deadline = time.monotonic() + timeout
-    with httpx.Client(timeout=1.0) as client:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                break
-            try:
-                if client.get(health_url).status_code < 500:
-                    return proc
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
+    try:
+        with httpx.Client(timeout=1.0) as client:
+            while time.monotonic() < deadline and proc.poll() is None:
+                try:
+                    if client.get(health_url).status_code < 500:
+                        return proc
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.05)
+    except BaseException:  # interrupted while waiting: leave nothing behind
+        stop(proc)
+        raise
     stop(proc)
     tail = log_path.read_text(errors="replace")[-3000:] if log_path is not None else ""
     raise RuntimeError(f"{argv[:4]} did not answer {health_url} (exit {proc.returncode})\n"

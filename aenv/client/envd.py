@@ -29,6 +29,8 @@ from typing import Any
 
 import httpx
 
+from .http import plain_client
+
 ENVD_PORT = 49983
 # Seconds of silence after which envd sends a keepalive on Start/Connect, and after which
 # ``stream_input`` sends one (the SDK's value): long-idle shells stay open through proxies.
@@ -149,7 +151,7 @@ class EnvdClient:
         self.token = token
         self.extra_headers = dict(headers or {})
         self._own = client is None
-        self.http = client or httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=2.0))
+        self.http = client or plain_client(timeout=httpx.Timeout(30.0, connect=2.0))
 
     @classmethod
     def through_proxy(cls, server_url: str, sandbox_id: str, token: str | None, *,

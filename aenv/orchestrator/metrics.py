@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 from ..client.envd import ENVD_PORT, EnvdClient
+from ..client.http import plain_client
 from ..store import SandboxStore
 
 log = logging.getLogger("aenv.metrics")
@@ -26,7 +27,7 @@ class MetricsCollector:
         self.sandboxes, self.interval, self.keep = sandboxes, interval, keep
         self._samples: dict[str, deque[dict[str, Any]]] = {}
         self._task: asyncio.Task | None = None
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(3.0, connect=1.0))
+        self._http = plain_client(timeout=httpx.Timeout(3.0, connect=1.0))
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="aenv-metrics")

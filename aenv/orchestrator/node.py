@@ -136,7 +136,7 @@ class NodeMachines:
         except BaseException:
             if vm is not None:
                 await vm.stop()
-            wd.remove(workdir)
+            await asyncio.to_thread(wd.remove, workdir)
             await asyncio.to_thread(self._release, slot)
             raise
         self._running[rec.id] = _Running(vm, slot, disk)
@@ -177,7 +177,8 @@ class NodeMachines:
             await running.vm.stop()
             await asyncio.to_thread(self._release, running.slot)
         if rec.vm_dir:
-            wd.remove(Path(rec.vm_dir))
+            # Unlinking a guest-RAM file of hundreds of MiB takes tens of ms: not on the loop.
+            await asyncio.to_thread(wd.remove, Path(rec.vm_dir))
 
     async def reattach(self, rec: SandboxRecord) -> bool:
         if not rec.vm_dir or rec.slot is None:
@@ -212,7 +213,7 @@ class NodeMachines:
         await asyncio.to_thread(self._release, running.slot)
         layer = disk_layers.commit(running.disk, self.settings.layers_dir,
                                    f"{template_id}-{rec.id}")
-        wd.remove(Path(rec.vm_dir or running.vm.workdir))
+        await asyncio.to_thread(wd.remove, Path(rec.vm_dir or running.vm.workdir))
         return layer.ref()
 
     async def pause(self, rec: SandboxRecord, memory: bool) -> str:

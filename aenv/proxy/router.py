@@ -23,6 +23,8 @@ import httpx
 import websockets
 from starlette.types import Receive, Scope, Send
 
+from ..client.http import plain_client
+
 log = logging.getLogger("aenv.proxy")
 
 ENVD_PORT = 49983
@@ -117,7 +119,7 @@ class ProxyRouter:
             closing = asyncio.create_task(entry[1].aclose())
             self._closing.add(closing)
             closing.add_done_callback(self._closing.discard)
-        client = httpx.AsyncClient(
+        client = plain_client(
             timeout=httpx.Timeout(None, connect=self.connect_timeout),
             limits=httpx.Limits(max_connections=256, max_keepalive_connections=32,
                                 keepalive_expiry=60),

@@ -23,6 +23,7 @@ from typing import Self
 
 import httpx
 
+from ..client.http import plain_client
 from ..guest import markers
 from .base import VM, BootError, Runtime, VMSpec
 from .workdir import CONSOLE, tail
@@ -42,7 +43,7 @@ async def wait_for_envd(url: str, timeout: float = 30.0, *, vm: VM | None = None
     """
     deadline = time.monotonic() + timeout
     last: str = "no answer"
-    async with httpx.AsyncClient(timeout=1.0) as client:
+    async with plain_client(timeout=1.0) as client:
         while True:
             if vm is not None and not vm.is_alive():
                 raise BootError("VMM exited before envd answered", vm_id=vm.vm_id,

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import os
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -113,11 +115,28 @@ def create_disk(base: Path, directory: Path, name: str = "rootfs", *,
         except OSError as e:
             raise DiskError(f"reflink {base} -> {dest}: {e.strerror}") from e
         return Disk(dest, "raw", "reflink", base)
+    shutil.copyfile(_pristine_overlay(base, base_format, directory.parent), dest)
+    return Disk(dest, "qcow2", "qcow2", base)
+
+
+def _pristine_overlay(base: Path, base_format: str, cache_root: Path) -> Path:
+    """An empty qcow2 overlay of ``base``, made once with ``qemu-img`` and then copied for
+    each sandbox: every overlay of one base is byte-identical, and copying 200 KiB takes
+    0.1 ms where spawning qemu-img takes 6-20 ms on the create path."""
+    resolved = base.resolve()
+    st = resolved.stat()
+    key = hashlib.sha256(f"{resolved}:{st.st_ino}:{st.st_mtime_ns}:{base_format}".encode())
+    cached = cache_root / ".overlays" / f"{key.hexdigest()[:32]}.qcow2"
+    if cached.exists():
+        return cached
     qemu_img = shutil.which("qemu-img")
     if qemu_img is None:
         raise DiskError("qemu-img is missing (apt-get install qemu-utils)")
-    run([qemu_img, "create", "-q", "-f", "qcow2", "-b", base.resolve(), "-F", base_format, dest])
-    return Disk(dest, "qcow2", "qcow2", base)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_suffix(f".tmp-{os.getpid()}-{threading.get_ident()}")
+    run([qemu_img, "create", "-q", "-f", "qcow2", "-b", resolved, "-F", base_format, tmp])
+    os.replace(tmp, cached)
+    return cached
 
 
 def doctor_checks(data_dir: Path | None = None) -> list[tuple[str, str]]:

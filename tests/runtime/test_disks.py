@@ -101,3 +101,16 @@ def test_doctor_reports_the_mechanism_of_the_data_dir(tmp_path: Path) -> None:
     [(check, result)] = disks.doctor_checks(tmp_path)
     assert check == "sandbox disks"
     assert result.startswith(probe_method(tmp_path, tmp_path))
+
+
+def test_overlays_after_the_first_are_copies_made_without_qemu_img(tmp_path: Path,
+                                                                    monkeypatch) -> None:
+    base = tmp_path / "base.raw"
+    base.write_bytes(b"\0" * (1 << 20))
+    first = create_disk(base, tmp_path / "vms/a", method="qcow2")
+    monkeypatch.setattr(disks.shutil, "which", lambda _: None)  # qemu-img now "missing"
+    second = create_disk(base, tmp_path / "vms/b", method="qcow2")
+    assert first.path.read_bytes() == second.path.read_bytes()
+    info = subprocess.run(["qemu-img", "info", "--output=json", second.path],
+                          capture_output=True, text=True, check=True).stdout
+    assert str(base.resolve()) in info

@@ -1,0 +1,235 @@
+"""Control-plane cost of a sandbox create (and of a kill) against a real ``aenv server``.
+
+Run as root: ``.venv/bin/python benchmarks/control_plane_create.py [--n 20] [--warmup 1]``
+(``--data-dir DIR --cache-home DIR`` put the home and the kernel/image cache elsewhere, e.g.
+both on one XFS or btrfs mount so disks are reflinks; ``--cprofile FILE`` runs the server
+under cProfile, which slows it: use it to see where time goes, not for the figures).
+
+Method: starts ``aenv server`` (``python -m aenv.cli.main server``) in a child process with
+its own home (a temporary directory), name prefix and address ranges, sharing the host's
+kernel and image cache (``AENV_CACHE_HOME`` = the default data dir's artifacts), with the
+default warm pool of 2 network slots. It then makes ``--warmup`` + ``--n`` sequential
+creates from ``base`` with httpx (``POST /v2/sandboxes``, one keep-alive connection), and
+after each create a ``DELETE /sandboxes/{id}``. Per create it parses the ``Server-Timing``
+header (milliseconds per phase: api, orchestrator, slot, disk, prepare, vmm, kernel, init,
+envd, envd_init) and takes the client-side wall time; per kill, the client-side wall time.
+The warm-up creates (first disk probe, accelerator choice, cold caches) are reported apart
+and left out of the percentiles.
+
+``control_plane`` is api + orchestrator + slot + disk + prepare: everything except starting
+the VMM, the guest's boot and the round trips to envd. ``client_gap`` is wall time minus the
+sum of all phases (HTTP, JSON, uvicorn, the client). The goal is a control plane under
+5 ms p50 (``goal_met``).
+
+Clean-up, also on failure: every sandbox is killed through the API, the server gets SIGTERM,
+and then the script checks that no netns, nft table, VMM process or guest-RAM file of its
+prefix remains (``leftovers`` in the output; anything found is removed with
+``cleanup_leftovers``). ``disk_methods`` is how the node made the sandbox disks (from its
+log): ``qcow2`` (a ``qemu-img create`` process per sandbox) or ``reflink`` (FICLONE).
+
+Output: one JSON object, milliseconds. The host has 2 shared cores and the guests run under
+TCG: the boot phases are noisy; compare p50s across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from aenv.config import Settings
+from benchmarks._common import emit, free_port, parse_server_timing, spawn_child, stop, summary
+
+PHASES = ("api", "orchestrator", "slot", "disk", "prepare", "vmm", "kernel", "init", "envd",
+          "envd_init")
+CONTROL_PLANE = ("api", "orchestrator", "slot", "disk", "prepare")
+GOAL_MS = 5.0
+DISK_METHOD = re.compile(r"sandbox \w+: slot \d+, disk (\w+),")  # the node's create log line
+PROFILED_SERVER = """
+import cProfile, runpy, signal, sys
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+out = sys.argv.pop(1)
+sys.argv[0] = "aenv"
+cProfile.run("runpy.run_module('aenv.cli.main', run_name='__main__')", out)
+"""
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class VMServer:
+    """``aenv server`` with microVM sandboxes, isolated from any other server on the host."""
+
+    def __init__(self, home: Path, net: int, cache_home: Path,
+                 cprofile: Path | None = None) -> None:
+        self.settings = Settings(
+            home=home, cache_home=cache_home,
+            name_prefix=f"cp{os.getpid() % 10000:04d}",
+            host_cidr=f"10.{net}.0.0/24", veth_cidr=f"10.{net}.1.0/24", warm_slots=2)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = home / "server.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.cprofile = cprofile
+
+    def start(self) -> None:
+        s = self.settings
+        env = {**os.environ, "AENV_HOME": str(s.home), "AENV_CACHE_HOME": str(s.artifacts),
+               "AENV_NAME_PREFIX": s.name_prefix, "AENV_HOST_CIDR": s.host_cidr,
+               "AENV_VETH_CIDR": s.veth_cidr, "AENV_WARM_SLOTS": str(s.warm_slots)}
+        argv = [sys.executable, "-m", "aenv.cli.main", "server", "--port", str(self.port)]
+        if self.cprofile:
+            # uvicorn re-raises SIGTERM after its graceful shutdown; make that an exit that
+            # cProfile survives, so it writes its stats.
+            argv[1:3] = ["-c", PROFILED_SERVER, str(self.cprofile)]
+        self.proc = spawn_child(argv, self.url + "/health", log_path=self.log_path, env=env,
+                                timeout=600)
+
+    def api(self) -> httpx.Client:
+        key = (self.settings.secrets_dir / "api-key").read_text().strip()
+        return httpx.Client(base_url=self.url, headers={"X-API-KEY": key}, timeout=180)
+
+    def kill_all(self) -> int:
+        with self.api() as c:
+            ids = [s["sandboxID"] for s in c.get("/v2/sandboxes", params={"limit": 1000}).json()]
+            for sid in ids:
+                c.delete(f"/sandboxes/{sid}")
+        return len(ids)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop(self.proc, grace=30)
+
+
+def leftovers(settings: Settings) -> dict[str, list[str]]:
+    """Host objects of ``settings.name_prefix`` still present (all lists empty when clean)."""
+    prefix = settings.name_prefix
+    netns = sorted(n for n in os.listdir("/run/netns") if n.startswith(prefix + "-")) \
+        if os.path.isdir("/run/netns") else []
+    tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True,
+                            check=False).stdout.splitlines()
+    vms = str(settings.vms_dir)
+    procs = []
+    for e in os.scandir("/proc"):
+        if e.name.isdigit():
+            try:
+                if os.readlink(f"/proc/{e.name}/cwd").startswith(vms):
+                    procs.append(e.name)
+            except OSError:
+                pass
+    shm = sorted(p.name for p in Path("/dev/shm").glob(f"{prefix}-*"))
+    names = [t.split()[-1] for t in tables if t.strip()]
+    return {"netns": netns,
+            "nft_tables": [n for n in names if n == prefix or n.startswith(prefix + "-")],
+            "vmm_processes": procs, "shm_files": shm}
+
+
+def create_and_kill(api: httpx.Client) -> tuple[float, dict[str, float], float]:
+    """One create and its kill: (create wall ms, Server-Timing phases ms, kill wall ms)."""
+    t0 = time.perf_counter()
+    r = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 300})
+    wall = (time.perf_counter() - t0) * 1000
+    if r.status_code != 201:
+        raise RuntimeError(f"create answered {r.status_code}: {r.text}")
+    phases = parse_server_timing(r.headers.get("server-timing", ""))
+    sid = r.json()["sandboxID"]
+    t1 = time.perf_counter()
+    k = api.delete(f"/sandboxes/{sid}")
+    kill = (time.perf_counter() - t1) * 1000
+    if k.status_code != 204:
+        raise RuntimeError(f"kill of {sid} answered {k.status_code}: {k.text}")
+    return wall, phases, kill
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=20, help="measured creates")
+    ap.add_argument("--warmup", type=int, default=1, help="creates left out of the figures")
+    ap.add_argument("--net", type=int, default=94,
+                    help="second octet of the server's host (10.N.0/24) and veth ranges")
+    ap.add_argument("--data-dir", type=Path, default=None,
+                    help="where the server's temporary home is made (default: the system "
+                         "temp dir); its filesystem decides reflink or qcow2 disks")
+    ap.add_argument("--cache-home", type=Path, default=None,
+                    help="kernels and images (default: the default data dir's artifacts)")
+    ap.add_argument("--cprofile", type=Path, metavar="FILE",
+                    help="run the server under cProfile and write its stats to FILE")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("control_plane_create.py needs root (network namespaces, VMs)")
+
+    home = Path(tempfile.mkdtemp(prefix="aenv-bench-cp-", dir=args.data_dir))
+    srv = VMServer(home, args.net, args.cache_home or Settings.from_env().artifacts,
+                   args.cprofile)
+    result: dict[str, Any] = {"benchmark": "control_plane_create", "n": args.n,
+                              "load_before": os.getloadavg()}
+    rows: list[tuple[float, dict[str, float], float]] = []
+    try:
+        log(f"starting aenv server (home {home}, prefix {srv.settings.name_prefix})")
+        srv.start()
+        with srv.api() as api:
+            warm = []
+            for i in range(args.warmup + args.n):
+                row = create_and_kill(api)
+                (warm if i < args.warmup else rows).append(row)
+                log(f"create {i + 1}/{args.warmup + args.n}: {row[0]:.0f} ms, "
+                    f"control plane {sum(row[1].get(p, 0) for p in CONTROL_PLANE):.2f} ms, "
+                    f"kill {row[2]:.0f} ms")
+        result["warmup"] = [{"wall_ms": round(w, 2), "phases_ms": p, "kill_ms": round(k, 2)}
+                            for w, p, k in warm]
+    except BaseException:
+        if srv.log_path.exists():
+            log("server log tail:\n" + srv.log_path.read_text(errors="replace")[-4000:])
+        raise
+    finally:
+        try:
+            if srv.proc is not None and srv.proc.poll() is None:
+                result["killed_at_end"] = srv.kill_all()
+        except Exception as e:  # still stop the server and look for leftovers
+            log(f"kill at end failed: {e}")
+        srv.stop()
+        result["disk_methods"] = sorted(set(DISK_METHOD.findall(
+            srv.log_path.read_text(errors="replace")))) if srv.log_path.exists() else []
+        left = leftovers(srv.settings)
+        result["leftovers"] = left
+        if any(left.values()):
+            from aenv.network import cleanup_leftovers
+
+            log(f"leftovers found, removing: {left}")
+            cleanup_leftovers(srv.settings)
+            for name in left["shm_files"]:
+                Path("/dev/shm", name).unlink(missing_ok=True)
+        shutil.rmtree(home, ignore_errors=True)
+
+    walls = [w for w, _, _ in rows]
+    phases = {p: summary([ph.get(p, 0.0) for _, ph, _ in rows]) for p in PHASES}
+    control = [sum(ph.get(p, 0.0) for p in CONTROL_PLANE) for _, ph, _ in rows]
+    gap = [w - sum(ph.values()) for w, ph, _ in rows]
+    result.update({
+        "create_wall_ms": summary(walls),
+        "phases_ms": phases,
+        "control_plane_ms": summary(control),
+        "control_plane_phases": list(CONTROL_PLANE),
+        "client_gap_ms": summary(gap),
+        "kill_wall_ms": summary([k for _, _, k in rows]),
+        "goal_ms": GOAL_MS,
+        "goal_met": summary(control)["p50"] < GOAL_MS,
+        "load_after": os.getloadavg(),
+    })
+    emit(result)
+
+
+if __name__ == "__main__":
+    main()
