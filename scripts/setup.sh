@@ -48,7 +48,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 stamp=.venv/.aenv-setup
-want=$(cat pyproject.toml | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml aenv/requirements.txt aenv/envd/requirements.txt | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup: installing Python dependencies into .venv"
   # The mirror's empty extra index makes pip warn once per package; keep real errors.

@@ -18,7 +18,6 @@ from there (``envd_requirements``), so the one list serves the host venv and the
 from __future__ import annotations
 
 import hashlib
-import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -96,35 +95,12 @@ def envd_sources() -> list[tuple[Path, str]]:
     return out
 
 
-_GROUP_START = re.compile(r"^\s*#\s*envd\b")
-_GROUP_END = re.compile(r"^\s*#")
-_REQUIREMENT = re.compile(r'^\s*"([^"]+)"\s*,?')
-
-
-def envd_requirements(pyproject: Path | None = None) -> list[str]:
-    """The requirement strings of envd: the ``dependencies`` entries of pyproject.toml that
-    follow the ``# envd ...`` comment, up to the next comment line (``# host side``)."""
-    pyproject = pyproject or Path(aenv.__file__).parent.parent / "pyproject.toml"
-    try:
-        lines = pyproject.read_text().splitlines()
-    except OSError as e:
-        raise RuntimeError(
-            f"envd's dependency list is read from {pyproject}, which is missing: {e}"
-        ) from None
-    reqs: list[str] = []
-    in_group = False
-    for line in lines:
-        if not in_group:
-            in_group = bool(_GROUP_START.match(line))
-            continue
-        if _GROUP_END.match(line) or line.strip().startswith("]"):
-            break
-        m = _REQUIREMENT.match(line)
-        if m:
-            reqs.append(m.group(1))
-    if not reqs:
-        raise RuntimeError(f"no '# envd' dependency group in {pyproject}")
-    return reqs
+def envd_requirements() -> list[str]:
+    """envd's requirement strings, from ``aenv/envd/requirements.txt`` as installed (the
+    same file makes them part of aenv's own dependencies, see pyproject.toml)."""
+    text = (resources.files("aenv.envd") / "requirements.txt").read_text()
+    reqs = [line.split("#", 1)[0].strip() for line in text.splitlines()]
+    return [r for r in reqs if r]
 
 
 def guest_layer_digest() -> str:
