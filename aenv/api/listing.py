@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Iterable
 from datetime import datetime
 from urllib.parse import unquote
 
-from ..store import SandboxRecord
+from ..store import SandboxRecord, SandboxStore
 from .errors import ApiError
-from .views import api_state
+from .views import internal_states
 
 DEFAULT_LIMIT = 100
 MAX_LIMIT = 1000
@@ -67,29 +66,19 @@ def decode_cursor(token: str) -> tuple[float, str]:
 
 
 def select(
-    records: Iterable[SandboxRecord], *, metadata: dict[str, str], states: set[str],
+    store: SandboxStore, *, metadata: dict[str, str], states: set[str],
     started_after: float | None = None, template: str | None = None, order: str = "desc",
     limit: int | None = None, next_token: str | None = None,
 ) -> tuple[list[SandboxRecord], str | None]:
-    """One page of matching records and the token of the next page (None at the end)."""
+    """One page of matching sandboxes and the token of the next page (None at the end)."""
     if order not in ("asc", "desc"):
         raise ApiError(400, f"invalid order '{order}': expected asc or desc")
     limit = DEFAULT_LIMIT if limit is None else limit
     if not 1 <= limit <= MAX_LIMIT:
         raise ApiError(400, f"limit must be between 1 and {MAX_LIMIT}")
-    rows = [
-        r for r in records
-        if api_state(r) in states
-        and all(r.metadata.get(k) == v for k, v in metadata.items())
-        and (started_after is None or r.started_at >= started_after)
-        and (template is None or template in (r.template_id, r.alias))
-    ]
-    desc = order == "desc"
-    rows.sort(key=lambda r: (r.started_at, r.id), reverse=desc)
-    if next_token:
-        cursor = decode_cursor(next_token)
-        rows = [r for r in rows if ((r.started_at, r.id) < cursor if desc
-                                    else (r.started_at, r.id) > cursor)]
+    rows = store.page(
+        states=internal_states(states), metadata=metadata, started_after=started_after,
+        template=template, descending=order == "desc",
+        after=decode_cursor(next_token) if next_token else None, limit=limit + 1)
     page = rows[:limit]
-    more = len(rows) > limit
-    return page, encode_cursor(page[-1]) if more and page else None
+    return page, encode_cursor(page[-1]) if len(rows) > limit else None

@@ -92,7 +92,7 @@ async def list_v2(
     order: str = "desc",
 ) -> Response:
     page, token = listing.select(
-        orch(request).sandboxes.live(),
+        orch(request).sandboxes,
         metadata=listing.parse_metadata_filter(metadata),
         states=listing.parse_states(state),
         started_after=listing.parse_time(startedAfter),
@@ -106,7 +106,7 @@ async def list_v2(
 async def list_v1(request: Request, metadata: str | None = None) -> Response:
     """1.x SDKs: running sandboxes only, no pagination."""
     page, _ = listing.select(
-        orch(request).sandboxes.live(), metadata=listing.parse_metadata_filter(metadata),
+        orch(request).sandboxes, metadata=listing.parse_metadata_filter(metadata),
         states={"running"}, limit=listing.MAX_LIMIT,
     )
     return JSONResponse([views.listed(r) for r in page])

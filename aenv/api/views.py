@@ -16,6 +16,11 @@ _API_STATE = {
 }
 
 
+def internal_states(api_states: set[str]) -> tuple[str, ...]:
+    """The lifecycle states that the API shows as any of ``api_states``."""
+    return tuple(k for k, v in _API_STATE.items() if v in api_states)
+
+
 def rfc3339(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).isoformat(timespec="microseconds").replace(
         "+00:00", "Z")

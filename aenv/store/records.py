@@ -5,6 +5,7 @@ The orchestrator owns what the values mean; the API turns records into E2B shape
 
 from __future__ import annotations
 
+import functools
 import json
 import sqlite3
 from dataclasses import dataclass, field, fields
@@ -100,18 +101,22 @@ class SnapshotRecord:
     created_at: float
 
 
+@functools.cache
+def _plan(cls: type, columns: tuple[str, ...]) -> tuple[tuple[int, str, int], ...]:
+    """(column index, field name, decode: 0 none / 1 json / 2 bool) for each field the
+    row has: worked out once per record type and column list, not per row."""
+    names = {f.name for f in fields(cls)}
+    return tuple((i, c, 1 if c in _JSON_FIELDS else 2 if c in _BOOL_FIELDS else 0)
+                 for i, c in enumerate(columns) if c in names)
+
+
 def from_row(cls: type[T], row: sqlite3.Row, **extra: Any) -> T:
     values: dict[str, Any] = {}
-    names = row.keys()
-    for f in fields(cls):  # type: ignore[arg-type]
-        if f.name not in names:
-            continue
-        v = row[f.name]
-        if f.name in _JSON_FIELDS and v is not None:
-            v = json.loads(v)
-        elif f.name in _BOOL_FIELDS and v is not None:
-            v = bool(v)
-        values[f.name] = v
+    for i, name, decode in _plan(cls, tuple(row.keys())):
+        v = row[i]
+        if v is not None and decode:
+            v = json.loads(v) if decode == 1 else bool(v)
+        values[name] = v
     values.update(extra)
     return cls(**values)
 

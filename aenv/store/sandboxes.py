@@ -79,6 +79,35 @@ class SandboxStore:
         )
         return [from_row(SandboxRecord, r) for r in rows]
 
+    def page(self, *, states: Iterable[str], metadata: dict[str, str] | None = None,
+             started_after: float | None = None, template: str | None = None,
+             descending: bool = True, after: tuple[float, str] | None = None,
+             limit: int = 100) -> list[SandboxRecord]:
+        """Up to ``limit`` sandboxes in ``states`` matching every filter, ordered by
+        (started_at, id), strictly past the cursor ``after``. Filtering, ordering and the
+        limit run in SQLite so a page costs what it returns, not what the table holds."""
+        st = tuple(states)
+        where = [f"state IN ({','.join('?' * len(st))})"]
+        params: list[Any] = [*st]
+        for key, value in (metadata or {}).items():
+            # json_each matches any key exactly (a JSON path would need quoting rules).
+            where.append("EXISTS (SELECT 1 FROM json_each(metadata) WHERE key = ? AND value = ?)")
+            params += [key, value]
+        if started_after is not None:
+            where.append("started_at >= ?")
+            params.append(started_after)
+        if template is not None:
+            where.append("(template_id = ? OR alias = ?)")
+            params += [template, template]
+        if after is not None:
+            where.append(f"(started_at, id) {'<' if descending else '>'} (?, ?)")
+            params += [after[0], after[1]]
+        direction = "DESC" if descending else "ASC"
+        rows = self.db.query(
+            f"SELECT * FROM sandboxes WHERE {' AND '.join(where)} "
+            f"ORDER BY started_at {direction}, id {direction} LIMIT ?", (*params, limit))
+        return [from_row(SandboxRecord, r) for r in rows]
+
     def live(self) -> list[SandboxRecord]:
         return self.in_states(LIVE_STATES)
 

@@ -8,7 +8,14 @@ import pytest
 
 from aenv.api.errors import ApiError
 from aenv.api.listing import parse_metadata_filter, parse_states, select
-from aenv.store import SandboxRecord
+from aenv.store import Database, SandboxRecord, SandboxStore
+
+
+def _store(recs: list[SandboxRecord]) -> SandboxStore:
+    store = SandboxStore(Database(":memory:"))
+    for r in recs:
+        store.insert(r)
+    return store
 
 
 def _rec(i: int, **meta: str) -> SandboxRecord:
@@ -36,7 +43,7 @@ def test_states_default_to_both_and_reject_unknown() -> None:
 
 
 def test_pages_are_newest_first_and_resume_after_the_cursor() -> None:
-    recs = [_rec(i, g="x") for i in range(5)]
+    recs = _store([_rec(i, g="x") for i in range(5)] + [_rec(9, g="y")])
     page, token = select(recs, metadata={"g": "x"}, states={"running"}, limit=2)
     assert [r.id for r in page] == ["s04", "s03"] and token
     page2, token2 = select(recs, metadata={"g": "x"}, states={"running"}, limit=2,
@@ -48,6 +55,21 @@ def test_pages_are_newest_first_and_resume_after_the_cursor() -> None:
 
 
 def test_all_metadata_pairs_must_match() -> None:
-    recs = [_rec(1, a="1", b="2"), _rec(2, a="1")]
+    recs = _store([_rec(1, a="1", b="2"), _rec(2, a="1")])
     page, _ = select(recs, metadata={"a": "1", "b": "2"}, states={"running"})
+    assert [r.id for r in page] == ["s01"]
+
+
+def test_paused_and_internal_states_fold_into_the_api_states() -> None:
+    recs = [_rec(1), _rec(2), _rec(3), _rec(4)]
+    recs[1].state, recs[2].state, recs[3].state = "paused", "pausing", "killed"
+    page, _ = select(_store(recs), metadata={}, states={"paused"})
+    assert [r.id for r in page] == ["s03", "s02"]
+    page, _ = select(_store(recs), metadata={}, states={"running", "paused"})
+    assert "s04" not in [r.id for r in page]
+
+
+def test_metadata_keys_with_quotes_and_dots_match_exactly() -> None:
+    recs = _store([_rec(1, **{'a.b"c': "v"}), _rec(2, a="v")])
+    page, _ = select(recs, metadata={'a.b"c': "v"}, states={"running"})
     assert [r.id for r in page] == ["s01"]
