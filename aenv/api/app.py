@@ -16,7 +16,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..orchestrator.service import Orchestrator
-from . import errors, sandboxes, templates
+from . import errors, sandboxes, snapshots, templates
 from .auth import ApiKeyMiddleware
 from .errors import ApiError, error_response
 
@@ -83,6 +83,7 @@ def create_api(
 
     app.include_router(sandboxes.router)
     app.include_router(templates.router)
+    app.include_router(snapshots.router)
     for router in extra_routers:
         app.include_router(router)
     return ApiKeyMiddleware(BodyLimit(app), api_key)

@@ -166,5 +166,7 @@ async def get_template(request: Request, template_id: str) -> Response:
 
 @router.delete("/templates/{template_id}", status_code=204)
 async def delete_template(request: Request, template_id: str) -> Response:
-    builder(request).delete(template_id)
+    orchestrator = request.app.state.orchestrator
+    orchestrator.delete_template(template_id)
+    await orchestrator.collect_garbage()
     return Response(status_code=204)

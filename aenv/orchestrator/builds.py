@@ -133,15 +133,6 @@ class Builder:
             if b.status == "building":
                 self._fail(b.id, b.template_id, "finalize", "the server restarted during the build")
 
-    def delete(self, template_id: str) -> None:
-        """Forget a template or snapshot (its layers are freed once nothing uses them)."""
-        tpl = self.templates.get(template_id)
-        if tpl is None:
-            raise TemplateNotFound(template_id)
-        if tpl.id == "base":
-            raise InvalidRequest("the built-in template 'base' cannot be deleted")
-        self.templates.delete(tpl.id)
-
     async def close(self) -> None:
         for t in list(self._tasks.values()):
             t.cancel()
@@ -193,8 +184,14 @@ class Builder:
             finally:
                 await envd.aclose()
             step = "finalize"
-            self._log(build_id, "committing the root filesystem", step="finalize")
-            image = await self.machines.commit(vm, template_id)
+            if self.machines.can_pause:
+                # Templates are snapshots: creating from one restores it, start command
+                # and all, instead of booting.
+                self._log(build_id, "snapshotting the template VM", step="finalize")
+                image = await self.machines.pause(vm, True)
+            else:
+                self._log(build_id, "committing the root filesystem", step="finalize")
+                image = await self.machines.commit(vm, template_id)
             started = False
         except StepFailed as e:
             self._fail(build_id, template_id, e.step, str(e))
@@ -213,7 +210,7 @@ class Builder:
             template_id, status="ready", build_id=build_id, image=image, parent_id=parent.id,
             env_vars=ctx.env, workdir=ctx.workdir, user=ctx.default_user,
             start_cmd=spec.get("startCmd"), ready_cmd=spec.get("readyCmd"),
-            build_count=tpl.build_count + 1)
+            build_count=tpl.build_count + 1, envd_token=vm.envd_token)
         for name in names:
             self.templates.add_name(template_id, name)
         self.templates.update_build(build_id, status="ready", finished_at=time.time())

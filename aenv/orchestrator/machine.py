@@ -24,6 +24,8 @@ class Placement:
     runtime: str
     # Where the time went, seconds per phase (e.g. slot, disk, vmm, kernel, init, envd).
     phases: dict[str, float] = field(default_factory=dict)
+    # The snapshot the VM was restored from: it must live as long as this VM does.
+    restored_from: str | None = None
 
 
 class Machines(Protocol):
@@ -38,8 +40,9 @@ class Machines(Protocol):
         """The server stops; running VMs are left running for the next start to adopt."""
 
     async def start(self, rec: SandboxRecord, template: TemplateRecord) -> Placement:
-        """Boot (or restore) a VM for ``rec`` and return once envd answered ``/init``.
-        On failure everything made so far is released before raising."""
+        """Boot a VM for ``rec`` — or restore one, when ``template.image`` names a snapshot
+        (``template.envd_token`` is the token inside it) — and return once envd answered
+        ``/init``. On failure everything made so far is released before raising."""
 
     async def stop(self, rec: SandboxRecord) -> None:
         """Stop the VM and release its slot and disk. Idempotent; never raises for
@@ -55,6 +58,14 @@ class Machines(Protocol):
 
     async def resume(self, rec: SandboxRecord) -> Placement:
         """Restore a paused sandbox from ``rec.snapshot_id`` into a free slot."""
+
+    async def snapshot(self, rec: SandboxRecord) -> str:
+        """Capture the running sandbox (vCPUs frozen only for the capture; it runs on) and
+        return the snapshot's reference, restorable any number of times."""
+
+    async def collect(self, roots: set[str]) -> int:
+        """Delete every snapshot that neither is in ``roots`` nor is depended on by one
+        that is; returns how many were deleted."""
 
     async def commit(self, rec: SandboxRecord, template_id: str) -> str:
         """Stop the (build) VM of ``rec`` and keep its root disk as a new read-only layer

@@ -18,9 +18,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..store import SandboxRecord, SandboxStore, TemplateRecord, TemplateStore
-from .errors import Conflict, LimitReached, SandboxNotFound, StartFailed, TemplateNotFound
+from .errors import (
+    Conflict,
+    InvalidRequest,
+    LimitReached,
+    SandboxNotFound,
+    StartFailed,
+    TemplateNotFound,
+    Unsupported,
+)
 from .ids import new_id, new_token
-from .machine import Machines
+from .machine import Machines, Placement
 from .timing import record_phases
 
 log = logging.getLogger("aenv.orchestrator")
@@ -33,6 +41,7 @@ MAX_TIMEOUT_S = 24 * 3600
 class Limits:
     max_sandboxes: int = 64
     max_starting: int = 8
+    max_fork: int = 16
 
 
 @dataclass
@@ -119,16 +128,30 @@ class Orchestrator:
             if existing is not None:
                 return existing
         tpl = self.template(opts.template)
+        self._check_capacity(1)
+        rec = self._new_record(tpl, opts)
+        self.sandboxes.insert(rec)
+        phases = await self._start(rec, tpl, opts.timeout)
+        phases["orchestrator"] = self.clock() - t_start - sum(phases.values())
+        record_phases("create", phases)
+        if timings is not None:
+            timings.update(phases)
+        return self.get(rec.id)
+
+    def _check_capacity(self, n: int, *, starts: bool = True) -> None:
         live = self.sandboxes.count(("creating", "running", "resuming", "forking",
                                      "snapshotting", "pausing"))
-        if live >= self.limits.max_sandboxes:
+        if live + n > self.limits.max_sandboxes:
             raise LimitReached(
-                f"this node runs its maximum of {self.limits.max_sandboxes} sandboxes")
-        if self._starting >= self.limits.max_starting:
+                f"this node runs at most {self.limits.max_sandboxes} sandboxes "
+                f"({live} now, {n} more asked)")
+        if starts and self._starting >= self.limits.max_starting:
             raise LimitReached(
                 f"{self._starting} sandboxes are starting on this node; try again shortly")
+
+    def _new_record(self, tpl: TemplateRecord, opts: CreateOptions) -> SandboxRecord:
         now = self.clock()
-        rec = SandboxRecord(
+        return SandboxRecord(
             id=new_id(),
             template_id=tpl.id,
             alias=tpl.names[0] if tpl.names else None,
@@ -151,11 +174,13 @@ class Orchestrator:
             network=opts.network,
             idempotency_key=opts.idempotency_key,
         )
-        self.sandboxes.insert(rec)
+
+    async def _start(self, rec: SandboxRecord, tpl: TemplateRecord,
+                     timeout: int) -> dict[str, float]:
+        """Boot or restore the inserted record ``rec``; returns the machines' phases."""
         self._starting += 1
         try:
             async with self._lock(rec.id):
-                t0 = self.clock()
                 try:
                     placement = await self.machines.start(rec, tpl)
                 except Exception as e:
@@ -163,27 +188,118 @@ class Orchestrator:
                     log.exception("sandbox %s: start failed", rec.id)
                     raise StartFailed(f"sandbox could not be started: {e}") from e
                 now = self.clock()
-                changes = dict(
-                    vm_dir=placement.vm_dir, vm_pid=placement.vm_pid, slot=placement.slot,
-                    host_ip=placement.host_ip, runtime=placement.runtime,
-                    end_at=now + opts.timeout,
-                )
-                if not self.sandboxes.transition(rec.id, ["creating"], "running", **changes):
-                    # Killed while starting (only possible through recovery paths).
+                if not self.sandboxes.transition(
+                        rec.id, ["creating"], "running", **_placed(placement),
+                        end_at=now + timeout):
                     await self.machines.stop(rec)
                     raise SandboxNotFound(rec.id)
                 self.templates.update(tpl.id, last_spawned_at=now,
                                       spawn_count=tpl.spawn_count + 1)
-                phases = {"orchestrator": self.clock() - t_start - sum(placement.phases.values()),
-                          **placement.phases}
-                record_phases("create", phases)
-                if timings is not None:
-                    timings.update(phases)
-                log.info("sandbox %s: running (template %s) in %.0f ms", rec.id, tpl.id,
-                         (now - t0) * 1000)
+                log.info("sandbox %s: running (template %s)", rec.id, tpl.id)
+                return dict(placement.phases)
         finally:
             self._starting -= 1
-        return self.get(rec.id)
+
+    # -- snapshots and forks --------------------------------------------------------------
+
+    async def snapshot(self, sandbox_id: str, name: str | None = None) -> TemplateRecord:
+        """A persistent snapshot of a running sandbox, kept as a template of kind
+        ``snapshot``; the source keeps running."""
+        async with self._lock(sandbox_id):
+            rec = self.get(sandbox_id)
+            ref = await self._capture(rec, "snapshotting")
+        now = self.clock()
+        snap_id = new_id()
+        names = [name] if name else []
+        tpl = self.templates.get(rec.template_id)
+        snap = TemplateRecord(
+            id=snap_id, kind="snapshot", build_id=snap_id, status="ready",
+            cpu_count=rec.cpu_count, memory_mb=rec.memory_mb, disk_size_mb=rec.disk_size_mb,
+            created_at=now, updated_at=now, image=ref, parent_id=rec.template_id,
+            source_sandbox=rec.id, env_vars=dict(rec.env_vars),
+            workdir=tpl.workdir if tpl else None, user=tpl.user if tpl else None,
+            envd_token=rec.envd_token, names=[*names, f"{snap_id}:default"])
+        self.templates.insert(snap)
+        return self.templates.get(snap_id) or snap
+
+    async def _capture(self, rec: SandboxRecord, state: str) -> str:
+        """Freeze-capture-thaw ``rec`` (its lock held) through ``state``."""
+        if rec.state != "running":
+            raise Conflict(f"sandbox '{rec.id}' is {rec.state}, not running")
+        if not self.machines.can_pause:
+            raise Unsupported("this node cannot snapshot sandboxes")
+        if not self.sandboxes.transition(rec.id, ["running"], state):
+            raise Conflict(f"sandbox '{rec.id}' changed state")
+        try:
+            return await self.machines.snapshot(rec)
+        finally:
+            self.sandboxes.transition(rec.id, [state], "running")
+
+    async def fork(self, sandbox_id: str, count: int,
+                   timeout: int | None = None) -> list[SandboxRecord | Exception]:
+        """One capture of the running source, then ``count`` children restored from it at
+        once. Each child succeeds or fails alone; the source keeps its id and TTL."""
+        if not 1 <= count <= self.limits.max_fork:
+            raise InvalidRequest(f"count must be between 1 and {self.limits.max_fork}")
+        self.get(sandbox_id)
+        # A fork is one request whose children start together: not held to max_starting.
+        self._check_capacity(count, starts=False)
+        async with self._lock(sandbox_id):
+            src = self.get(sandbox_id)
+            ref = await self._capture(src, "forking")
+        src_tpl = self.templates.get(src.template_id)
+        # The children start from the capture; the template is only their family name.
+        image = TemplateRecord(
+            id=src.template_id, kind="snapshot", build_id="fork", status="ready",
+            cpu_count=src.cpu_count, memory_mb=src.memory_mb, disk_size_mb=src.disk_size_mb,
+            created_at=src.started_at, updated_at=src.started_at, image=ref,
+            workdir=src_tpl.workdir if src_tpl else None,
+            user=src_tpl.user if src_tpl else None, envd_token=src.envd_token,
+            spawn_count=src_tpl.spawn_count if src_tpl else 0,
+            names=src_tpl.names if src_tpl else [])
+        ttl = timeout if timeout is not None else max(int(src.end_at - src.started_at), 1)
+        children = []
+        for _ in range(count):
+            child = self._new_record(image, CreateOptions(
+                template=src.template_id, timeout=ttl, metadata=src.metadata,
+                env_vars=src.env_vars, secure=src.secure, auto_pause=src.auto_pause,
+                auto_pause_memory=src.auto_pause_memory, auto_resume=src.auto_resume,
+                allow_internet=src.allow_internet, network=src.network,
+                cpu_count=src.cpu_count, memory_mb=src.memory_mb, client_id=src.client_id))
+            self.sandboxes.insert(child)
+            children.append(child)
+        t0 = self.clock()
+        results = await asyncio.gather(*(self._start(c, image, ttl) for c in children),
+                                       return_exceptions=True)
+        record_phases("fork", {"children": self.clock() - t0})
+        out: list[SandboxRecord | Exception] = []
+        for child, result in zip(children, results, strict=True):
+            out.append(result if isinstance(result, Exception) else self.get(child.id))
+        await self.collect_garbage()
+        return out
+
+    def delete_template(self, template_id: str) -> None:
+        """Forget a template or snapshot; its files go once nothing uses them."""
+        tpl = self.templates.get(template_id)
+        if tpl is None:
+            raise TemplateNotFound(template_id)
+        if tpl.id == "base":
+            raise InvalidRequest("the built-in template 'base' cannot be deleted")
+        self.templates.delete(tpl.id)
+
+    def gc_roots(self) -> set[str]:
+        """Every snapshot or layer reference something still uses."""
+        roots = {t.image for t in self.templates.list() if t.image}
+        for r in self.sandboxes.live():
+            roots.update(x for x in (r.snapshot_id, r.restored_from) if x)
+        return roots
+
+    async def collect_garbage(self) -> int:
+        try:
+            return await self.machines.collect(self.gc_roots())
+        except Exception:
+            log.exception("snapshot garbage collection failed")
+            return 0
 
     # -- kill, timeout --------------------------------------------------------------------
 
@@ -198,6 +314,7 @@ class Orchestrator:
                 self._end(sandbox_id, "killed", "killed")
                 await self._stopped(sandbox_id)
         self._locks.pop(sandbox_id, None)
+        await self.collect_garbage()
 
     async def _stopped(self, sandbox_id: str) -> None:
         for hook in self.on_stop:
@@ -259,9 +376,10 @@ class Orchestrator:
             raise
         await self._stopped(rec.id)
         self.sandboxes.transition(
-            rec.id, ["pausing"], "paused", snapshot_id=snapshot_id,
+            rec.id, ["pausing"], "paused", snapshot_id=snapshot_id, restored_from=None,
             pause_mode="full" if memory else "filesystem", vm_pid=None, slot=None, host_ip=None,
         )
+        await self.collect_garbage()
 
     async def _resume_locked(self, rec: SandboxRecord, timeout: int | None) -> None:
         if not self.sandboxes.transition(rec.id, ["paused"], "resuming"):
@@ -273,8 +391,7 @@ class Orchestrator:
             raise
         now = self.clock()
         self.sandboxes.transition(
-            rec.id, ["resuming"], "running", vm_dir=placement.vm_dir, vm_pid=placement.vm_pid,
-            slot=placement.slot, host_ip=placement.host_ip, runtime=placement.runtime,
+            rec.id, ["resuming"], "running", **_placed(placement), snapshot_id=None,
             end_at=now + (timeout if timeout is not None else DEFAULT_TIMEOUT_S),
         )
 
@@ -334,3 +451,9 @@ class Orchestrator:
         if rec is not None:
             self.sandboxes.transition(sandbox_id, [rec.state], state, reason=reason,
                                       ended_at=self.clock(), vm_pid=None)
+
+
+def _placed(p: Placement) -> dict[str, Any]:
+    """The record fields a placement sets."""
+    return dict(vm_dir=p.vm_dir, vm_pid=p.vm_pid, slot=p.slot, host_ip=p.host_ip,
+                runtime=p.runtime, restored_from=p.restored_from)

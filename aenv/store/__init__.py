@@ -7,7 +7,7 @@ compare-and-set so that two requests cannot both win.
 """
 
 from .db import Database
-from .records import BuildRecord, SandboxRecord, SnapshotRecord, TemplateRecord
+from .records import BuildRecord, SandboxRecord, TemplateRecord
 from .sandboxes import SandboxStore
 from .templates import TemplateStore
 
@@ -16,7 +16,6 @@ __all__ = [
     "Database",
     "SandboxRecord",
     "SandboxStore",
-    "SnapshotRecord",
     "TemplateRecord",
     "TemplateStore",
 ]

@@ -104,6 +104,12 @@ _MIGRATIONS: list[str] = [
         PRIMARY KEY (build_id, seq)
     );
     """,
+    # 2: snapshots — what a running sandbox was restored from (keeps that snapshot alive),
+    # and the envd token a template's or snapshot's memory image carries.
+    """
+    ALTER TABLE sandboxes ADD COLUMN restored_from TEXT;
+    ALTER TABLE templates ADD COLUMN envd_token TEXT;
+    """,
 ]
 
 

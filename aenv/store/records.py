@@ -51,6 +51,7 @@ class SandboxRecord:
     snapshot_id: str | None = None
     idempotency_key: str | None = None
     reason: str | None = None
+    restored_from: str | None = None
 
 
 @dataclass
@@ -76,6 +77,7 @@ class TemplateRecord:
     last_spawned_at: float | None = None
     spawn_count: int = 0
     build_count: int = 0
+    envd_token: str | None = None
     names: list[str] = field(default_factory=list)
 
 
@@ -89,16 +91,6 @@ class BuildRecord:
     reason: str | None = None
     reason_step: str | None = None
     finished_at: float | None = None
-
-
-@dataclass
-class SnapshotRecord:
-    """A persistent snapshot is a template of kind 'snapshot'; this is its API view."""
-
-    id: str
-    names: list[str]
-    source_sandbox: str | None
-    created_at: float
 
 
 @functools.cache

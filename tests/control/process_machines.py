@@ -76,6 +76,12 @@ class ProcessMachines:
     async def resume(self, rec: SandboxRecord) -> Placement:
         raise Unsupported("host-process sandboxes cannot resume")
 
+    async def snapshot(self, rec: SandboxRecord) -> str:
+        raise Unsupported("host-process sandboxes cannot be snapshotted")
+
+    async def collect(self, roots: set[str]) -> int:
+        return 0
+
     def logs(self, rec: SandboxRecord, start: int | None, limit: int) -> list[dict]:
         return []
 

@@ -9,6 +9,7 @@ import pytest
 
 from aenv.orchestrator.errors import (
     Conflict,
+    InvalidRequest,
     LimitReached,
     SandboxNotFound,
     StartFailed,
@@ -30,6 +31,9 @@ class FakeMachines:
         self.resumed: list[str] = []
         self.fail = False
         self.alive: set[str] = set()
+        self.snapshots: list[str] = []
+        self.gc_roots: list[set[str]] = []
+        self.restored: list[tuple[str, str | None]] = []
 
     async def prepare(self, keep_slots, keep_vms) -> None:
         pass
@@ -43,8 +47,9 @@ class FakeMachines:
             raise RuntimeError("boom")
         self.started.append(rec.id)
         self.alive.add(rec.id)
+        self.restored.append((rec.id, template.image))
         return Placement(vm_dir=f"/vms/{rec.id}", vm_pid=100, slot=len(self.started),
-                         host_ip="10.11.0.1", runtime="fake")
+                         host_ip="10.11.0.1", runtime="fake", restored_from=template.image)
 
     async def stop(self, rec) -> None:
         await asyncio.sleep(self.delay)
@@ -66,6 +71,15 @@ class FakeMachines:
         self.alive.add(rec.id)
         return Placement(vm_dir=f"/vms/{rec.id}", vm_pid=200, slot=9, host_ip="10.11.0.9",
                          runtime="fake")
+
+    async def snapshot(self, rec) -> str:
+        await asyncio.sleep(self.delay)
+        self.snapshots.append(rec.id)
+        return f"snapshot:{rec.id}-{len(self.snapshots)}"
+
+    async def collect(self, roots) -> int:
+        self.gc_roots.append(set(roots))
+        return 0
 
     async def commit(self, rec, template_id) -> str:
         return "layer:x"
@@ -200,3 +214,67 @@ def test_connect_extends_but_never_shortens_the_ttl(world) -> None:
         assert orch.get(rec.id).end_at > rec.end_at + 200
 
     asyncio.run(go())
+
+
+async def test_fork_restores_count_children_from_one_capture(world) -> None:
+    orch, m = world
+    orch.limits = Limits(max_sandboxes=10, max_starting=2, max_fork=16)
+    src = await orch.create(CreateOptions(template="base", timeout=120, metadata={"k": "v"}))
+    children = await orch.fork(src.id, 4)
+    assert m.snapshots == [src.id]
+    assert all(not isinstance(c, Exception) for c in children)
+    ids = {c.id for c in children}
+    assert len(ids) == 4 and src.id not in ids
+    assert len({c.envd_token for c in children} | {src.envd_token}) == 5
+    assert all(c.metadata == {"k": "v"} and c.state == "running" for c in children)
+    assert {img for sid, img in m.restored if sid in ids} == {f"snapshot:{src.id}-1"}
+    again = orch.get(src.id)
+    assert again.state == "running" and again.end_at == src.end_at
+    assert f"snapshot:{src.id}-1" in m.gc_roots[-1]  # the children keep the capture alive
+
+
+async def test_fork_reports_each_child_on_its_own(world) -> None:
+    orch, m = world
+    orch.limits = Limits(max_sandboxes=10, max_fork=16)
+    src = await orch.create(CreateOptions(template="base"))
+    real_start = m.start
+    calls = 0
+
+    async def flaky(rec, tpl):
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise RuntimeError("no slot")
+        return await real_start(rec, tpl)
+
+    m.start = flaky
+    results = await orch.fork(src.id, 3)
+    assert sum(isinstance(r, StartFailed) for r in results) == 1
+    assert sum(not isinstance(r, Exception) for r in results) == 2
+
+
+async def test_fork_count_is_bounded_and_needs_a_running_source(world) -> None:
+    orch, _ = world
+    src = await orch.create(CreateOptions(template="base"))
+    with pytest.raises(InvalidRequest):
+        await orch.fork(src.id, 17)
+    await orch.pause(src.id)
+    with pytest.raises(Conflict):
+        await orch.fork(src.id, 1)
+
+
+async def test_snapshot_is_a_template_that_outlives_its_source(world) -> None:
+    orch, m = world
+    src = await orch.create(CreateOptions(template="base", env_vars={"A": "1"}))
+    snap = await orch.snapshot(src.id, "my-snap")
+    assert snap.kind == "snapshot" and "my-snap" in snap.names and snap.image
+    assert orch.get(src.id).state == "running"
+    await orch.kill(src.id)
+    assert snap.image in m.gc_roots[-1]
+    child = await orch.create(CreateOptions(template="my-snap"))
+    assert child.env_vars["A"] == "1"
+    orch.delete_template(snap.id)
+    await orch.collect_garbage()
+    assert snap.image in m.gc_roots[-1]  # the child still runs from it
+    await orch.kill(child.id)
+    assert snap.image not in m.gc_roots[-1]

@@ -1,0 +1,69 @@
+"""Persistent snapshots and forks (spec 2.3): ``POST /sandboxes/{id}/snapshots``,
+``GET /snapshots``, ``GET /snapshots/{id}``, ``POST /sandboxes/{id}/fork``. A snapshot is
+removed through ``DELETE /templates/{id}`` (templates.py), as E2B's SDK does it."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Request, Response
+from fastapi.responses import JSONResponse
+
+from ..orchestrator.errors import OrchestratorError, TemplateNotFound
+from ..store import TemplateRecord
+from . import listing, views
+from .models import ForkRequest, SnapshotRequest
+
+router = APIRouter()
+
+
+def _info(t: TemplateRecord) -> dict[str, Any]:
+    return {"snapshotID": t.id, "names": t.names, "cpuCount": t.cpu_count,
+            "memoryMB": t.memory_mb, "diskSizeMB": t.disk_size_mb,
+            "createdAt": views.rfc3339(t.created_at), "updatedAt": views.rfc3339(t.updated_at),
+            **({"sandboxID": t.source_sandbox} if t.source_sandbox else {})}
+
+
+@router.post("/sandboxes/{sandbox_id}/snapshots", status_code=201)
+async def create_snapshot(request: Request, sandbox_id: str,
+                          body: Annotated[SnapshotRequest | None, Body()] = None) -> Response:
+    snap = await request.app.state.orchestrator.snapshot(sandbox_id, body.name if body else None)
+    return JSONResponse(_info(snap), status_code=201)
+
+
+@router.get("/snapshots")
+async def list_snapshots(request: Request, sandboxID: str | None = None,
+                         name: str | None = None, limit: int = listing.DEFAULT_LIMIT,
+                         nextToken: str | None = None) -> Response:
+    snaps = request.app.state.orchestrator.templates.list(
+        kind="snapshot", source_sandbox=sandboxID, name=name)
+    start = int(nextToken) if nextToken and nextToken.isdigit() else 0
+    page = snaps[start:start + max(1, min(limit, listing.MAX_LIMIT))]
+    more = start + len(page) < len(snaps)
+    headers = {"X-Next-Token": str(start + len(page))} if more else {}
+    return JSONResponse([_info(s) for s in page], headers=headers)
+
+
+@router.get("/snapshots/{snapshot_id}")
+async def get_snapshot(request: Request, snapshot_id: str) -> Response:
+    snap = request.app.state.orchestrator.templates.get(snapshot_id)
+    if snap is None or snap.kind != "snapshot":
+        raise TemplateNotFound(snapshot_id)
+    return JSONResponse(_info(snap))
+
+
+@router.post("/sandboxes/{sandbox_id}/fork", status_code=201)
+async def fork(request: Request, sandbox_id: str,
+               body: Annotated[ForkRequest | None, Body()] = None) -> Response:
+    count = body.count if body and body.count is not None else 1
+    results = await request.app.state.orchestrator.fork(
+        sandbox_id, count, body.timeout if body else None)
+    domain = request.app.state.domain
+    out = []
+    for r in results:
+        if isinstance(r, Exception):
+            status = r.status if isinstance(r, OrchestratorError) else 500
+            out.append({"error": {"code": status, "message": str(r)}})
+        else:
+            out.append({"sandbox": views.sandbox(r, domain)})
+    return JSONResponse(out, status_code=201)
