@@ -76,9 +76,11 @@ class FakeControlPlane:
         self.thread.start()
         wait_http(self.url + "/sandboxes/x")
         init = {"defaultUser": "user", "envVars": {"E2B_SANDBOX": "true"}}
+        headers = {}
         if token:
             init["accessToken"] = token
-        httpx.post(envd.url + "/init", json=init).raise_for_status()
+            headers["X-Access-Token"] = token  # a restored envd already holds this token
+        httpx.post(envd.url + "/init", json=init, headers=headers).raise_for_status()
 
     def stop(self) -> None:
         self.server.should_exit = True

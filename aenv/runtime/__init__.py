@@ -1,7 +1,8 @@
 """Runtime drivers behind one interface (``aenv.runtime.base``); ``get_runtime`` picks one.
 
-``qemu`` is the only driver so far. ``doctor_checks`` reports what this host gives the
-runtime (VMM binary, accelerator and why, QMP library) as rows for ``aenv doctor``.
+``qemu`` runs everywhere (KVM or TCG); ``firecracker`` needs a ``firecracker`` binary and
+hardware KVM. ``doctor_checks`` reports what this host gives each driver (VMM binaries,
+accelerator and why, QMP library, what Firecracker lacks) as rows for ``aenv doctor``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from .base import (
     NotSupportedError,
     RestoreOverrides,
     Runtime,
+    SnapshotError,
+    SnapshotInfo,
     UnknownRuntimeError,
     VMError,
     VMExitedError,
@@ -32,6 +35,8 @@ __all__ = [
     "NotSupportedError",
     "RestoreOverrides",
     "Runtime",
+    "SnapshotError",
+    "SnapshotInfo",
     "UnknownRuntimeError",
     "VMError",
     "VMExitedError",
@@ -40,7 +45,7 @@ __all__ = [
     "get_runtime",
 ]
 
-RUNTIMES = ("qemu",)
+RUNTIMES = ("qemu", "firecracker")
 
 
 def get_runtime(name: str) -> Runtime:
@@ -49,11 +54,17 @@ def get_runtime(name: str) -> Runtime:
         from .qemu import QemuRuntime
 
         return QemuRuntime()
+    if name == "firecracker":
+        from .firecracker import FirecrackerRuntime
+
+        return FirecrackerRuntime()
     raise UnknownRuntimeError(f"unknown runtime {name!r}; available: {', '.join(RUNTIMES)}")
 
 
 def doctor_checks() -> list[tuple[str, str]]:
-    """(check, result) rows: QEMU version, accelerator with its reason, async I/O, QMP."""
+    """(check, result) rows: QEMU version, accelerator with its reason, async I/O, QMP,
+    then Firecracker's binary, KVM and what it is missing."""
+    from . import firecracker
     from .kvm import host_accel
     from .qemu import io_uring_usable, qemu_binary, qemu_version
 
@@ -69,4 +80,5 @@ def doctor_checks() -> list[tuple[str, str]]:
         ("accelerator", f"{choice.accel}: {choice.reason}"),
         ("disk aio", "io_uring" if io_uring_usable() else "threads (io_uring unavailable)"),
         ("qmp client", qmp),
+        *firecracker.doctor_checks(),
     ]

@@ -14,6 +14,23 @@ Contract for every driver:
 - The VMM runs in its own process group and survives the server; ``Runtime.attach`` finds it
   again from the working directory alone.
 - Operations a driver cannot do yet raise ``NotSupportedError`` (a ``NotImplementedError``).
+
+Snapshots (``VM.snapshot``, ``Runtime.restore``) — the contract the orchestrator builds pause,
+resume, fork and persistent snapshots on:
+- A snapshot is a directory (layout: ``aenv.storage.snapshots``): device state, a memory
+  layer, a layer per writable drive, and a manifest. It may reference files of the snapshot
+  the VM was restored from (its parent); the chain is bounded by the driver, which
+  compacts it when it would grow deeper than its limit.
+- ``VM.snapshot(dir, stop=True)`` is *pause*: the VMM is gone afterwards and the VM lives on
+  only in ``dir`` (CPU and RAM released; the caller then removes the working directory and
+  the slot). ``stop=False`` is a *persistent snapshot / fork capture*: the vCPUs are frozen
+  only for the capture, and the VM runs on (``SnapshotInfo.freeze_s`` vs ``total_s``).
+- ``Runtime.restore(dir, overrides)`` starts a new VMM in a new working directory, tap and
+  netns, each drive on its own copy-on-write layer over the snapshot's, memory mapped
+  copy-on-write (so restores of one snapshot share the host page cache). It returns with
+  the vCPUs running. Any number of restores of one snapshot may run at once.
+- The guest's clock and RNG are as they were at capture; the caller fixes both (envd
+  ``/init`` with a timestamp and entropy). TCP connections from before are dead.
 """
 
 from __future__ import annotations
@@ -84,6 +101,21 @@ class NotSupportedError(VMError, NotImplementedError):
     """This driver does not implement the operation (yet); nothing was changed."""
 
 
+class SnapshotError(VMError):
+    """A snapshot could not be taken or restored. When taking one fails, the VM is as it
+    was (running or paused) unless ``vm_lost`` says the VMM was already stopped."""
+
+    def __init__(self, message: str, *, vm_id: str | None = None, vm_lost: bool = False,
+                 vmm_log_tail: str = "") -> None:
+        super().__init__(message, vm_id=vm_id)
+        self.vm_lost = vm_lost
+        self.vmm_log_tail = vmm_log_tail
+
+    def __str__(self) -> str:
+        base = super().__str__()
+        return f"{base}\n--- vmm log ---\n{self.vmm_log_tail}" if self.vmm_log_tail else base
+
+
 class UnknownRuntimeError(VMError):
     """``get_runtime`` was asked for a driver that does not exist."""
 
@@ -145,13 +177,43 @@ class VMSpec:
 
 @dataclass(frozen=True)
 class RestoreOverrides:
-    """What differs between the snapshotted VM and the restored one (Firecracker's model)."""
+    """What differs between the snapshotted VM and the restored one (Firecracker's model).
+
+    ``workdir`` must not exist yet. ``drives`` maps a drive id to a disk the caller made
+    itself (it must show the snapshot's contents of that drive, e.g. an overlay over the
+    snapshot's file); other writable drives get a new layer in ``workdir``. ``tap`` None
+    keeps the tap name the snapshot had (every slot's tap has the same name); ``netns``
+    is the new slot's namespace.
+    """
 
     vm_id: str
     workdir: Path
     drives: dict[str, Path] = field(default_factory=dict)  # drive id -> new host path
     tap: str | None = None
     netns: str | None = None
+    console_log: Path | None = None
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """What one ``VM.snapshot`` did (seconds; bytes).
+
+    ``freeze_s``: vCPUs stopped until they ran again (``stop=False``) or until the VMM was
+    gone (``stop=True``). ``memory_bytes``: memory this snapshot wrote itself (a diff, or a
+    full image when it had to); ``memory_layers``: depth of the memory stack a restore
+    applies (1 = one full image). ``compacted``: the chain was cut back to its base.
+    ``phases``: where the time went, driver-specific names.
+    """
+
+    directory: Path
+    parent: Path | None
+    freeze_s: float
+    total_s: float
+    memory_bytes: int
+    memory_layers: int
+    disk_bytes: int
+    compacted: bool
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 # -- handles --------------------------------------------------------------------------------
@@ -190,8 +252,19 @@ class VM(abc.ABC):
         """Run the vCPUs again after ``pause``."""
 
     @abc.abstractmethod
-    async def snapshot(self, directory: Path, *, incremental: bool = False) -> None:
-        """Write VM state and memory into ``directory`` (VM must be paused)."""
+    async def snapshot(self, directory: Path, *, stop: bool = False,
+                       incremental: bool = True) -> SnapshotInfo:
+        """Capture the VM into the new directory ``directory``.
+
+        The vCPUs are stopped for the capture. With ``stop`` the VMM then ends (pause to
+        disk) and the VM's writable drive files move into the snapshot; otherwise the VM
+        continues as it was before the call (running, or paused if the caller had paused
+        it), on new drive layers. ``incremental=False`` writes a snapshot that depends on
+        no other snapshot (full memory image, drives flattened onto their base images),
+        at a cost that grows with the VM's size; by default only what changed since the
+        snapshot the VM came from is written. Raises ``SnapshotError``; the directory is
+        not created then.
+        """
 
     @abc.abstractmethod
     async def stop(self, timeout: float = 5.0) -> None:
@@ -217,7 +290,13 @@ class Runtime(abc.ABC):
 
     @abc.abstractmethod
     async def restore(self, snapshot_dir: Path, overrides: RestoreOverrides) -> VM:
-        """Start a VMM from a snapshot written by ``VM.snapshot``."""
+        """Start a new VMM from a snapshot written by ``VM.snapshot``, in the new working
+        directory, tap and netns of ``overrides``; returns with the vCPUs running.
+
+        Drives not named in ``overrides.drives`` get a fresh copy-on-write layer over the
+        snapshot's in the working directory. The snapshot stays unchanged and must outlive
+        the restored VM. On ``SnapshotError`` no VMM is left; the working directory is.
+        """
 
     @abc.abstractmethod
     async def attach(self, workdir: Path) -> VM:

@@ -9,9 +9,10 @@ checking that the pid's cwd is that working directory before trusting it.
 KVM or TCG is decided once per process by ``aenv.runtime.kvm``; the choice is recorded in
 the VM handle (``accel``, ``accel_reason``), the manifest and the log.
 
-Snapshot and restore are not implemented by this driver yet: they raise
-``NotSupportedError`` (the snapshot work adds them on top of the file-backed guest RAM that
-``boot`` already sets up).
+``VM.snapshot`` and ``restore`` follow ``aenv.runtime.qemu_snapshot`` (format, costs, and
+why); this module only runs the processes: a restore is a boot with the snapshot's machine
+shape that waits for an incoming migration, gets the memory diff written into its RAM, then
+loads the device state from an inherited fd and starts the vCPUs.
 """
 
 from __future__ import annotations
@@ -32,16 +33,18 @@ from pathlib import Path
 
 from qemu.qmp import QMPClient, QMPError
 
-from . import qemu_args
+from . import qemu_args, qemu_snapshot
 from . import workdir as wd
 from .base import (
     VM,
     AttachError,
     BootError,
     ControlError,
-    NotSupportedError,
     RestoreOverrides,
     Runtime,
+    SnapshotError,
+    SnapshotInfo,
+    VMError,
     VMExitedError,
     VMSpec,
 )
@@ -117,6 +120,7 @@ class QemuVM(VM):
         started_at: float,
         boot_timings: dict[str, float] | None = None,
         pidfd: int | None = None,
+        max_chain: int = qemu_snapshot.DEFAULT_MAX_CHAIN,
     ) -> None:
         self.vm_id = vm_id
         self.workdir = workdir
@@ -130,6 +134,7 @@ class QemuVM(VM):
         self._qmp = qmp
         self._pidfd = os.pidfd_open(pid) if pidfd is None else pidfd
         self._returncode: int | None = None
+        self._max_chain = max_chain
 
     @property
     def pid(self) -> int:
@@ -171,8 +176,10 @@ class QemuVM(VM):
         log.info("resumed", extra={"vm_id": self.vm_id, "op": "resume",
                                    "duration": time.monotonic() - t})
 
-    async def snapshot(self, directory: Path, *, incremental: bool = False) -> None:
-        raise NotSupportedError("the qemu driver does not take snapshots yet", vm_id=self.vm_id)
+    async def snapshot(self, directory: Path, *, stop: bool = False,
+                       incremental: bool = True) -> SnapshotInfo:
+        return await qemu_snapshot.capture(self, directory, stop=stop, incremental=incremental,
+                                           max_chain=self._max_chain)
 
     async def stop(self, timeout: float = 5.0) -> None:
         """QMP ``quit``; if the VMM is still there after ``timeout``, SIGTERM its process
@@ -231,9 +238,15 @@ class QemuVM(VM):
 class QemuRuntime(Runtime):
     name = "qemu"
 
-    def __init__(self, *, accel: AccelChoice | None = None, binary: str | None = None) -> None:
+    def __init__(self, *, accel: AccelChoice | None = None, binary: str | None = None,
+                 max_chain: int = qemu_snapshot.DEFAULT_MAX_CHAIN) -> None:
+        """``max_chain``: how many snapshot layers a VM's memory and drives may stack up
+        before a snapshot compacts them (see ``qemu_snapshot``)."""
+        if max_chain < 1:
+            raise ValueError("max_chain must be >= 1")
         self._accel = accel
         self._binary = binary
+        self._max_chain = max_chain
 
     @property
     def accel(self) -> AccelChoice:
@@ -255,6 +268,7 @@ class QemuRuntime(Runtime):
             "accel_reason": accel.reason,
             "argv": argv,
             "created_at": time.time(),
+            "machine": qemu_snapshot.machine_record(spec, accel.accel),
         }
         (spec.workdir / wd.MANIFEST).write_text(json.dumps(manifest, indent=1))
         vmm_log = spec.workdir / wd.VMM_LOG
@@ -273,7 +287,8 @@ class QemuRuntime(Runtime):
                 e.vmm_log_tail = e.vmm_log_tail or wd.tail(vmm_log)
             raise
         vm = QemuVM(vm_id=spec.vm_id, workdir=spec.workdir, accel=accel, pid=process.pid,
-                    process=process, qmp=qmp, started_at=t0, boot_timings={"qmp_ready": t_qmp})
+                    process=process, qmp=qmp, started_at=t0, boot_timings={"qmp_ready": t_qmp},
+                    max_chain=self._max_chain)
         log.info(
             "booted %s on %s in %.0f ms (pid %d)", spec.vm_id, accel.accel, t_qmp * 1000,
             process.pid,
@@ -306,13 +321,15 @@ class QemuRuntime(Runtime):
         return qmp
 
     @staticmethod
-    def _spawn(argv: list[str], cwd: Path, log_path: Path) -> subprocess.Popen[bytes]:
+    def _spawn(argv: list[str], cwd: Path, log_path: Path,
+               pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
         """Start the VMM in its own session (and so its own process group), detached from
         the server's terminal and stdio, so it outlives the server and signals to the
-        server's group never reach it."""
+        server's group never reach it. ``pass_fds`` keep their numbers in the VMM."""
         with open(log_path, "ab") as log_file:
             return subprocess.Popen(argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log_file,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+                                    stderr=subprocess.STDOUT, start_new_session=True,
+                                    pass_fds=pass_fds)
 
     @staticmethod
     def _kill(process: subprocess.Popen[bytes]) -> None:
@@ -322,9 +339,81 @@ class QemuRuntime(Runtime):
             pass
         process.wait()
 
-    async def restore(self, snapshot_dir: Path, overrides: RestoreOverrides) -> VM:
-        raise NotSupportedError("the qemu driver does not restore snapshots yet",
+    async def restore(self, snapshot_dir: Path, overrides: RestoreOverrides) -> QemuVM:
+        """Spawn QEMU with the snapshot's machine shape waiting for an incoming migration,
+        write the memory diff into its RAM, load the device state from an inherited fd
+        (``migrate-incoming fd:N``), wait until it is loaded (paused), start the vCPUs.
+        ``boot_timings``: ``qmp_ready``, ``state_loaded``, ``memory_applied``, ``running``
+        (seconds after spawn) and ``prepare`` (seconds before it: disks, links)."""
+        binary = self._binary or qemu_binary()
+        if binary is None:
+            raise SnapshotError(f"{qemu_args.QEMU_BINARY} is not installed",
                                 vm_id=overrides.vm_id)
+        t_prep = time.monotonic()
+        plan = await asyncio.to_thread(qemu_snapshot.prepare_restore, snapshot_dir, overrides)
+        host = self.accel
+        if plan.accel != host.accel and plan.accel == "kvm":
+            raise SnapshotError(f"{snapshot_dir} was taken under KVM, which this host lacks "
+                                f"({host.reason})", vm_id=overrides.vm_id)
+        accel = AccelChoice(plan.accel, host.reason if plan.accel == host.accel
+                            else f"restored from a {plan.accel} snapshot")
+        spec = plan.spec
+        fd = os.open(plan.device_state, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            argv = qemu_args.build_argv(
+                spec, accel.accel, binary=binary,
+                aio="io_uring" if io_uring_usable() else "threads", restore=True)
+            manifest = {
+                "vm_id": spec.vm_id, "runtime": self.name, "accel": accel.accel,
+                "accel_reason": accel.reason, "argv": argv, "created_at": time.time(),
+                "machine": plan.manifest.vm, "restored_from": str(snapshot_dir),
+            }
+            (spec.workdir / wd.MANIFEST).write_text(json.dumps(manifest, indent=1))
+            t0 = time.monotonic()
+            process = await asyncio.to_thread(self._spawn, argv, spec.workdir,
+                                              spec.workdir / wd.VMM_LOG, (fd,))
+        finally:
+            os.close(fd)
+        timings = {"prepare": t0 - t_prep}
+        try:
+            qmp = await self._connect_qmp(spec, process)
+            timings["qmp_ready"] = time.monotonic() - t0
+            await asyncio.to_thread(qemu_snapshot.apply_memory, process.pid, plan)
+            timings["memory_applied"] = time.monotonic() - t0
+            await qmp.execute("migrate-incoming", {"uri": f"fd:{fd}"})
+            deadline = time.monotonic() + QMP_TIMEOUT
+            while (status := (await qmp.execute("query-status"))["status"]) == "inmigrate":  # type: ignore[index]
+                if time.monotonic() > deadline:
+                    raise SnapshotError(f"device state did not load in {QMP_TIMEOUT}s",
+                                        vm_id=spec.vm_id)
+                await asyncio.sleep(0.001)
+            if status != "paused":
+                raise SnapshotError(f"VMM came up {status} after loading", vm_id=spec.vm_id)
+            timings["state_loaded"] = time.monotonic() - t0
+            await qmp.execute("cont")
+            timings["running"] = time.monotonic() - t0
+        except BaseException as e:
+            self._kill(process)
+            tail = wd.tail(spec.workdir / wd.VMM_LOG)
+            if isinstance(e, SnapshotError):
+                e.vmm_log_tail = e.vmm_log_tail or tail
+                raise
+            if isinstance(e, (BootError, QMPError, OSError, VMError)):
+                raise SnapshotError(f"restore of {snapshot_dir} failed: {e}", vm_id=spec.vm_id,
+                                    vmm_log_tail=tail) from e
+            raise
+        vm = QemuVM(vm_id=spec.vm_id, workdir=spec.workdir, accel=accel, pid=process.pid,
+                    process=process, qmp=qmp, started_at=t0, boot_timings=timings,
+                    max_chain=self._max_chain)
+        log.info(
+            "restored %s from %s in %.0f ms (memory %.0f, loaded %.0f; pid %d)", spec.vm_id,
+            snapshot_dir, timings["running"] * 1000,
+            (timings["memory_applied"] - timings["qmp_ready"]) * 1000,
+            timings["state_loaded"] * 1000, process.pid,
+            extra={"vm_id": spec.vm_id, "op": "restore", "phase": "running",
+                   "duration": timings["running"], "accel": accel.accel},
+        )
+        return vm
 
     async def attach(self, workdir: Path) -> QemuVM:
         """Find the live QEMU of ``workdir`` by its pidfile and take over its QMP socket."""
@@ -363,4 +452,5 @@ class QemuRuntime(Runtime):
         accel = AccelChoice(manifest["accel"], manifest["accel_reason"])
         log.info("attached %s (pid %d)", vm_id, pid, extra={"vm_id": vm_id, "op": "attach"})
         return QemuVM(vm_id=vm_id, workdir=workdir, accel=accel, pid=pid, process=None,
-                      qmp=qmp, started_at=time.monotonic(), pidfd=pidfd)
+                      qmp=qmp, started_at=time.monotonic(), pidfd=pidfd,
+                      max_chain=self._max_chain)

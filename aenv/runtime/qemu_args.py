@@ -16,6 +16,13 @@ code that must survive a host crash fsyncs what it keeps. ``aio=io_uring`` where
 offers it (fewer syscalls and no thread pool per request), else ``aio=threads``; ``native``
 is not an option because it needs O_DIRECT, which would bypass the shared page cache.
 ``discard=unmap`` + ``detect-zeroes=unmap`` let a guest's fstrim shrink its overlay.
+
+A restore (``restore=True``) differs only where ``aenv.runtime.qemu_snapshot`` needs it to:
+guest RAM maps the snapshot's base image ``base-memory`` with ``share=off`` (copy-on-write),
+the VMM waits for its device state (``-incoming defer``: the driver first writes the memory
+diff, because loading virtio state reads the rings in guest RAM) and keeps the vCPUs stopped
+afterwards (``-S``). ``send-configuration=off`` because the state is written by
+``xen-save-devices-state``, which has no configuration section.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ def build_argv(
     binary: str = QEMU_BINARY,
     aio: str = "threads",
     nsenter: str = "nsenter",
+    restore: bool = False,
 ) -> list[str]:
     """The full argv, including the ``nsenter`` prefix when the spec names a netns.
 
@@ -72,9 +80,11 @@ def build_argv(
     argv += ["-M", machine, "-accel", accel, "-cpu", "host" if accel == "kvm" else "max"]
     argv += ["-smp", str(spec.vcpus), "-m", f"{spec.memory_mib}M"]
     if spec.memory_file is not None:
+        mem_path, share = (wd.BASE_MEMORY, "off") if restore else (wd.MEMORY, "on")
         argv += [
             "-object",
-            f"memory-backend-file,id=mem,size={spec.memory_mib}M,mem-path={wd.MEMORY},share=on",
+            f"memory-backend-file,id=mem,size={spec.memory_mib}M,mem-path={mem_path},"
+            f"share={share}",
         ]
     argv += ["-kernel", wd.KERNEL]
     if spec.initrd is not None:
@@ -101,6 +111,8 @@ def build_argv(
         ]
     argv += ["-device", "virtio-rng-device"]
     argv += ["-qmp", f"unix:{wd.QMP_SOCKET},server=on,wait=off", "-pidfile", wd.PIDFILE]
+    if restore:
+        argv += ["-S", "-incoming", "defer", "-global", "migration.send-configuration=off"]
     return argv
 
 

@@ -23,6 +23,10 @@ from .base import Drive, VMSpec
 KERNEL = "kernel"
 INITRD = "initrd"
 MEMORY = "memory"
+# A restored VM maps its snapshot's base memory image copy-on-write under this name; it is
+# the snapshot's file, not the VM's, so ``remove`` leaves it alone (unlike ``memory``).
+BASE_MEMORY = "base-memory"
+LINEAGE = "lineage.json"  # which snapshot a VM derives from (``qemu_snapshot``)
 CONSOLE = "console.log"
 QMP_SOCKET = "qmp.sock"
 PIDFILE = "vmm.pid"

@@ -134,7 +134,7 @@ class Guest:
     vm: QemuVM
     slot: NetworkSlot
     disk: Disk
-    phases: BootPhases
+    phases: BootPhases | None  # None for a guest restored from a snapshot
     token: str
     control_plane: FakeControlPlane | None = None
     # handles replaced by a re-attach; their VMM is guest.vm's, reaped at teardown
@@ -183,6 +183,61 @@ async def boot_guest(name: str, settings: Settings, kernel, image, pool: SlotPoo
         wd.remove(workdir)
         await asyncio.to_thread(pool.release, slot)
         raise
+
+
+async def restore_guest(name: str, snapshot_dir: Path, settings: Settings, pool: SlotPool,
+                        token: str, runtime: QemuRuntime | None = None) -> Guest:
+    """Restore a snapshot into a fresh slot, wait for envd, re-``/init`` it with the token it
+    already holds (as the orchestrator does); the caller must ``destroy_guest``."""
+    from aenv.runtime.base import RestoreOverrides
+    from aenv.runtime.ready import wait_for_envd
+
+    slot = await asyncio.to_thread(pool.acquire)
+    workdir = settings.vms_dir / name
+    vm: QemuVM | None = None
+    try:
+        vm = await (runtime or QemuRuntime()).restore(
+            snapshot_dir, RestoreOverrides(vm_id=name, workdir=workdir, netns=slot.netns))
+        await wait_for_envd(Guest.envd_url(slot.host_ip), 30, vm=vm)
+        drive = vm.workdir / "rootfs.qcow2"
+        disk = Disk(drive, "qcow2", "qcow2", Path(os.readlink(drive)) if drive.is_symlink()
+                    else snapshot_dir / "rootfs.qcow2")
+        guest = Guest(vm=vm, slot=slot, disk=disk, phases=None, token=token)
+        guest.control_plane = FakeControlPlane(guest, token)
+        _drop_stale_connections(guest)
+        return guest
+    except BaseException:
+        if vm is not None:
+            await vm.stop()
+        wd.remove(workdir)
+        await asyncio.to_thread(pool.release, slot)
+        raise
+
+
+def _drop_stale_connections(guest: Guest, clean: int = 4, attempts: int = 24) -> None:
+    """The SDK pools keep-alive connections per host address for the whole process. A slot
+    recycled within a test session gives a new guest the address of a dead one, whose
+    pooled connections the new guest answers with a reset; spend those here, until
+    ``clean`` calls in a row succeed on each kind of request (the SDK keeps separate pools
+    for RPCs, uploads and downloads)."""
+    import httpx
+    from connectrpc.errors import ConnectError
+
+    calls = (lambda: guest.sandbox().commands.run("true"),
+             lambda: guest.sandbox().files.write("/tmp/.pool-warmup", "x"),
+             lambda: guest.sandbox().files.read("/tmp/.pool-warmup"))
+    for call in calls:
+        streak = 0
+        for _ in range(attempts):
+            try:
+                call()
+                streak += 1
+                if streak == clean:
+                    break
+            except (ConnectError, httpx.TransportError):
+                streak = 0
+        else:
+            call()
 
 
 async def destroy_guest(guest: Guest, pool: SlotPool) -> None:

@@ -13,8 +13,8 @@ from aenv import runtime
 from aenv.runtime import (
     BootError,
     Drive,
-    NotSupportedError,
     RestoreOverrides,
+    SnapshotError,
     UnknownRuntimeError,
     VMSpec,
     get_runtime,
@@ -38,17 +38,19 @@ def test_spec_rejects_duplicate_drive_ids_and_bad_names(tmp_path: Path) -> None:
         Drive("rootfs", tmp_path / "a", format="vmdk")  # type: ignore[arg-type]
 
 
-async def test_restore_is_declared_but_not_supported_yet(tmp_path: Path) -> None:
-    with pytest.raises(NotSupportedError) as err:
+async def test_restore_of_a_directory_that_is_no_snapshot_raises_snapshot_error(
+        tmp_path: Path) -> None:
+    with pytest.raises(SnapshotError, match=r"not a .*snapshot"):
         await get_runtime("qemu").restore(tmp_path, RestoreOverrides("x", tmp_path / "w"))
-    assert isinstance(err.value, NotImplementedError)
+    assert not (tmp_path / "w").exists()
 
 
 def test_doctor_rows_show_the_accelerator_decision() -> None:
     rows = dict(runtime.doctor_checks())
     choice = host_accel()
     assert rows["accelerator"] == f"{choice.accel}: {choice.reason}"
-    assert set(rows) == {"qemu", "accelerator", "disk aio", "qmp client"}
+    assert set(rows) == {"qemu", "accelerator", "disk aio", "qmp client", "firecracker",
+                         "firecracker kvm", "firecracker runtime"}
 
 
 @pytest.mark.vm

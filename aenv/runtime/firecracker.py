@@ -1,0 +1,662 @@
+"""The Firecracker driver: one ``firecracker`` process per VM, driven over its API socket.
+
+Targets the published API of Firecracker **v1.16.1** and needs at least v1.14 (the first
+with ``PUT /serial``; ``network_overrides`` on load came in 1.12 and ``/entropy`` in 1.4, so
+both are always there). Requires hardware KVM: Firecracker has no software fallback.
+
+Boot: the working directory is prepared with the fixed names of ``aenv.runtime.workdir``
+(``kernel``, ``initrd``, ``<drive>.raw``, ``console.log``); ``firecracker --api-sock
+firecracker.sock`` starts there (cwd = working directory, inside the slot's netns through
+``nsenter``, own session and process group, stdout/stderr appended to ``vmm.log``, pid in
+``vmm.pid``). Once the socket answers ``GET /version`` the driver sends, in this order:
+``PUT /logger`` (only when a log level is configured), ``PUT /metrics`` (only when enabled),
+``PUT /serial`` (console -> ``console.log``), ``PUT /machine-config``, ``PUT /boot-source``,
+``PUT /drives/<id>`` for each drive (root first), ``PUT /network-interfaces/eth0``,
+``PUT /entropy`` and ``PUT /actions InstanceStart``. Every path in a request is relative
+to the VMM's cwd, so the microVM state never names a sandbox's own directory.
+
+Snapshot: ``PATCH /vm Paused`` (if it ran), ``PUT /snapshot/create`` into a staging
+directory of ``aenv.storage.snapshots``, writable drives copied beside it while the vCPUs are
+still frozen (reflink where possible), then ``PATCH /vm Resumed`` (or the VMM is ended, for
+``stop``) and the manifest committed; ``aenv.runtime.firecracker_snapshot`` decides Full or
+Diff and is the one place that knows Firecracker's two files. Restore: a new process in a
+new working directory, the drives under their fixed names, then ``PUT /snapshot/load`` with
+the ``File`` memory backend (Firecracker maps the file ``MAP_PRIVATE``: pages are read lazily
+and copied on write, so VMs from one snapshot share its page cache), ``network_overrides``
+for the new tap and ``resume_vm``. Failures of either are ``SnapshotError``.
+
+Stop: SIGTERM to the process group (Firecracker installs no SIGTERM handler, so it exits at
+once), SIGKILL after the timeout. ``SendCtrlAltDel`` is not used: it needs the guest's i8042
+and AT-keyboard drivers, which the small guest kernel (``kconfig/small.txt``) does not build,
+and a guest shutdown would buy nothing (a sandbox disk is discarded or captured by a
+snapshot, and Firecracker's writes are in the host page cache either way).
+
+Drives must be raw files: Firecracker has no qcow2, so a spec with a qcow2 drive is refused
+before anything starts (``create_disk`` makes raw disks only where the data directory can
+reflink, e.g. XFS or btrfs). Guest RAM is always Firecracker's own anonymous memory;
+``VMSpec.memory_file`` is refused with ``NotSupportedError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from ..storage import snapshots
+from . import firecracker_api as fc
+from . import firecracker_snapshot as fcsnap
+from . import workdir as wd
+from .base import (
+    VM,
+    AttachError,
+    BootError,
+    ControlError,
+    NotSupportedError,
+    RestoreOverrides,
+    Runtime,
+    SnapshotError,
+    SnapshotInfo,
+    VMError,
+    VMExitedError,
+    VMSpec,
+)
+from .kvm import AccelChoice, host_accel
+from .qemu_args import netns_path
+from .vmm_process import NotOurProcessError, VMMProcess
+
+log = logging.getLogger("aenv.runtime")
+
+BINARY = "firecracker"
+API_SOCKET = "firecracker.sock"
+METRICS = "metrics.json"
+IFACE_ID = "eth0"
+API_TIMEOUT = 5.0  # seconds from spawn until the API socket must answer
+LOAD_TIMEOUT = 60.0  # PUT /snapshot/load (maps memory, restores devices)
+SNAPSHOT_TIMEOUT = 600.0  # PUT /snapshot/create writes (up to) all of guest RAM
+# Kernel arguments the shared guest command line carries for QEMU under TCG. Firecracker
+# always runs on KVM, where the guest uses kvm-clock, and a TSC frequency fixed at the CI
+# host's value would be wrong on any other host.
+_TCG_ONLY_ARGS = ("tsc_early_khz=", "tsc=reliable")
+_ELF_MAGIC = b"\x7fELF"
+
+
+def firecracker_binary() -> str | None:
+    return shutil.which(BINARY)
+
+
+def firecracker_version(binary: str) -> str | None:
+    """``1.16.1`` from ``firecracker --version`` (first line ``Firecracker v1.16.1``)."""
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True,
+                             timeout=10, check=False).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    first = out.splitlines()[0] if out.strip() else ""
+    return first.split()[-1].removeprefix("v") if first else None
+
+
+def build_argv(binary: str, netns: str | None) -> list[str]:
+    """``[nsenter --net=<ns> --] firecracker --api-sock firecracker.sock``.
+
+    nsenter calls setns and execs, so the VMM keeps its pid (the one in ``vmm.pid``).
+    """
+    prefix = ["nsenter", f"--net={netns_path(netns)}", "--"] if netns else []
+    return [*prefix, binary, "--api-sock", API_SOCKET]
+
+
+def boot_args(args: str) -> str:
+    """The guest command line as Firecracker gets it: TCG-only clock arguments dropped,
+    ``reboot=k`` added (the guest's reboot then resets through the keyboard controller
+    port, which makes Firecracker exit, as its docs recommend)."""
+    tokens = [t for t in args.split()
+              if not any(t.startswith(a) for a in _TCG_ONLY_ARGS)]
+    if not any(t.startswith("reboot=") for t in tokens):
+        tokens.append("reboot=k")
+    return " ".join(tokens)
+
+
+def doctor_checks() -> list[tuple[str, str]]:
+    """Three rows: the binary, whether /dev/kvm can run Firecracker, and what is missing."""
+    binary = firecracker_binary()
+    version = firecracker_version(binary) if binary else None
+    missing = []
+    if binary is None:
+        found = "not found on PATH"
+        missing.append("a firecracker binary (v1.14 or newer) on PATH")
+    else:
+        found = f"{binary} {version or '(version unknown)'}"
+        try:
+            too_old = version is None or fc.parse_version(version) < fc.MIN_VERSION
+        except ValueError:
+            too_old = True
+        if too_old:
+            missing.append(f"firecracker v1.14 or newer (found {version or 'unknown'})")
+    choice = host_accel()
+    kvm = f"usable: {choice.reason}" if choice.accel == "kvm" else f"unusable: {choice.reason}"
+    if choice.accel != "kvm":
+        missing.append("hardware KVM")
+    return [
+        ("firecracker", found),
+        ("firecracker kvm", kvm),
+        ("firecracker runtime", "ready" if not missing else "missing " + "; ".join(missing)),
+    ]
+
+
+def _rel(path: Path, workdir: Path) -> str:
+    """``path`` as the VMM (cwd = ``workdir``) names it."""
+    return os.path.relpath(path.resolve(), workdir.resolve())
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+class FirecrackerVM(VM):
+    """Handle on one Firecracker process. ``boot_timings`` holds seconds since spawn:
+    ``api_ready`` (socket answered), ``configured`` and ``qmp_ready`` (InstanceStart
+    returned: the guest runs; the name is the one ``ready.BootPhases`` reads)."""
+
+    def __init__(self, *, vm_id: str, workdir: Path, process: VMMProcess,
+                 api: fc.FirecrackerAPI, record: dict[str, Any], started_at: float,
+                 boot_timings: dict[str, float] | None = None) -> None:
+        self.vm_id = vm_id
+        self.workdir = workdir
+        self.accel = "kvm"
+        self.accel_reason = record.get("accel_reason", "")
+        self.console_log = workdir / wd.CONSOLE
+        self.started_at = started_at
+        self.boot_timings = boot_timings or {}
+        self._process = process
+        self._api = api
+        self._record = record  # the working directory's vm.json
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    @property
+    def machine(self) -> dict[str, Any]:
+        """The driver's record of the machine shape (goes into every snapshot manifest)."""
+        return self._record["machine"]
+
+    @property
+    def memory_parent(self) -> Path | None:
+        """The snapshot whose memory this VM's dirty-page log is relative to, or None."""
+        parent = self._record.get("memory_parent")
+        return Path(parent) if parent else None
+
+    def is_alive(self) -> bool:
+        return self._process.is_alive()
+
+    async def _call(self, request: fc.Request, *, timeout: float | None = None) -> Any:
+        if not self._process.is_alive():
+            raise VMExitedError(f"Firecracker of {self.vm_id} has exited", vm_id=self.vm_id)
+        try:
+            return await self._api.send(request, timeout=timeout)
+        except fc.APIConnectionError as e:
+            try:
+                await asyncio.wait_for(self._process.wait(), 0.5)
+            except TimeoutError:
+                raise e from None
+            raise VMExitedError(f"Firecracker of {self.vm_id} exited during "
+                                f"{request.method} {request.path}", vm_id=self.vm_id) from e
+
+    async def status(self) -> str:
+        """Firecracker's instance state: ``Not started``, ``Running`` or ``Paused``."""
+        info = await self._call(fc.describe_instance())
+        return str(info["state"])
+
+    async def pause(self) -> None:
+        t = time.monotonic()
+        await self._call(fc.patch_vm("Paused"))
+        log.info("paused", extra={"vm_id": self.vm_id, "op": "pause",
+                                  "duration": time.monotonic() - t})
+
+    async def resume(self) -> None:
+        t = time.monotonic()
+        await self._call(fc.patch_vm("Resumed"))
+        log.info("resumed", extra={"vm_id": self.vm_id, "op": "resume",
+                                   "duration": time.monotonic() - t})
+
+    async def snapshot(self, directory: Path, *, stop: bool = False,
+                       incremental: bool = True) -> SnapshotInfo:
+        """Capture the VM into ``directory`` (see ``VM.snapshot``).
+
+        A running VM is paused for the capture (``PATCH /vm``), then resumed, or ended with
+        ``stop``; a VM the caller had paused stays paused. The vCPUs stay frozen until the
+        writable drives are copied too, so disk and memory are of one moment.
+        ``incremental`` asks for a Diff against the snapshot this VM last took or was
+        restored from; ``firecracker_snapshot.plan`` decides when that is possible."""
+        t0 = time.monotonic()
+        phases: dict[str, float] = {}
+        parent_dir = self.memory_parent
+        parent = _readable_manifest(parent_dir)
+        was_running = False
+        staging: Path | None = None
+        try:
+            was_running = await self.status() == "Running"
+            staging = snapshots.begin(directory)
+            plan = await asyncio.to_thread(
+                fcsnap.plan, staging, parent, parent_dir, incremental=incremental,
+                track_dirty_pages=self.machine["track_dirty_pages"])
+            t_freeze = time.monotonic()
+            if was_running:
+                await self._call(fc.patch_vm("Paused"))
+            phases["pause"] = time.monotonic() - t_freeze
+            # A successful create resets Firecracker's dirty log: until this snapshot is
+            # committed, no snapshot is a valid base for a diff.
+            self._set_memory_parent(None)
+            t = time.monotonic()
+            try:
+                await self._call(fc.create_snapshot(
+                    _rel(staging / fcsnap.VMSTATE, self.workdir),
+                    _rel(staging / fcsnap.MEMORY, self.workdir), plan.snapshot_type),
+                    timeout=SNAPSHOT_TIMEOUT)
+            except fc.FirecrackerAPIError:
+                self._set_memory_parent(parent_dir)  # a failed create changes nothing
+                raise
+            phases["create"] = time.monotonic() - t
+            t = time.monotonic()
+            drives, disk_bytes = await asyncio.to_thread(self._capture_drives, staging)
+            phases["drives"] = time.monotonic() - t
+            if was_running and not stop:
+                t = time.monotonic()
+                await self._call(fc.patch_vm("Resumed"))
+                phases["resume"] = time.monotonic() - t
+            t_thawed = time.monotonic()
+            layers = await asyncio.to_thread(fcsnap.finish_memory, plan, staging, directory)
+            memory_bytes = await asyncio.to_thread(fcsnap.written_bytes, plan, staging, layers)
+            manifest = snapshots.Manifest(
+                driver=fcsnap.DRIVER, vm=self.machine,
+                memory_size=self.machine["memory_mib"] << 20, layers=layers, drives=drives,
+                parent=plan.parent,
+                sizes={"vmstate": (staging / fcsnap.VMSTATE).stat().st_size,
+                       "memory_written": memory_bytes, "disk_written": disk_bytes},
+                timings=phases)
+            snapshots.commit(staging, directory, manifest)
+            staging = None
+        except Exception as e:
+            if staging is not None:
+                snapshots.abort(staging)
+            raise await self._snapshot_failed(e, directory, resume=was_running) from e
+        except BaseException:
+            if staging is not None:
+                snapshots.abort(staging)
+            raise
+        self._set_memory_parent(directory)
+        if stop:
+            t = time.monotonic()
+            await self.stop()
+            phases["stop"] = time.monotonic() - t
+            t_thawed = time.monotonic()
+        info = SnapshotInfo(
+            directory=directory, parent=plan.parent, freeze_s=t_thawed - t_freeze,
+            total_s=time.monotonic() - t0, memory_bytes=memory_bytes,
+            memory_layers=len(layers), disk_bytes=disk_bytes, compacted=plan.compacted,
+            phases=phases)
+        log.info("snapshot %s -> %s (%s, %d layers, %d KiB memory) frozen %.0f ms of %.0f ms",
+                 self.vm_id, directory, plan.method, len(layers), memory_bytes >> 10,
+                 info.freeze_s * 1000, info.total_s * 1000,
+                 extra={"vm_id": self.vm_id, "op": "snapshot", "phase": plan.method,
+                        "duration": info.total_s})
+        return info
+
+    async def _snapshot_failed(self, error: Exception, directory: Path, *,
+                               resume: bool) -> SnapshotError:
+        """Put the VM back as it was (running, if it ran) and say what failed."""
+        lost = not self.is_alive()
+        if resume and not lost:
+            try:
+                await self._call(fc.patch_vm("Resumed"))
+            except VMError:
+                lost = not self.is_alive()
+        return SnapshotError(f"snapshot of {self.vm_id} into {directory} failed: {error}",
+                             vm_id=self.vm_id, vm_lost=lost,
+                             vmm_log_tail=wd.tail(self.workdir / wd.VMM_LOG))
+
+    def _capture_drives(self, staging: Path) -> tuple[tuple[snapshots.DriveImage, ...], int]:
+        """Read-only drives are referenced where they are; writable ones are copied
+        (reflink where the filesystem can) as the snapshot's own file. Returns the images
+        and the bytes copied."""
+        images, copied = [], 0
+        for d in self.machine["drives"]:
+            name = f"{d['id']}.raw"
+            host = (self.workdir / name).resolve()
+            if d["read_only"]:
+                images.append(snapshots.DriveImage(d["id"], "raw", True, path=host))
+                continue
+            copied += fcsnap.clone(host, staging / name)[1]
+            images.append(snapshots.DriveImage(d["id"], "raw", False, file=name))
+        return tuple(images), copied
+
+    def _set_memory_parent(self, parent: Path | None) -> None:
+        self._record["memory_parent"] = str(parent) if parent else None
+        _write_json(self.workdir / wd.MANIFEST, self._record)
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        """SIGTERM the process group, SIGKILL after ``timeout``; leaves the working
+        directory (see ``workdir.remove``)."""
+        t = time.monotonic()
+        await self._process.terminate(timeout)
+        await self._api.aclose()
+        self._process.close()
+        log.info("stopped", extra={"vm_id": self.vm_id, "op": "stop",
+                                   "duration": time.monotonic() - t})
+
+    async def wait(self) -> int | None:
+        return await self._process.wait()
+
+    async def detach(self) -> None:
+        """Drop the API connection but leave the VMM running (server shutdown)."""
+        await self._api.aclose()
+
+
+class FirecrackerRuntime(Runtime):
+    """``log_level`` sends ``PUT /logger`` (Firecracker's log is on its stdout, in
+    ``vmm.log``); ``metrics`` sends ``PUT /metrics`` to ``metrics.json``;
+    ``track_dirty_pages`` turns on KVM dirty-page tracking (needed for incremental
+    snapshots, at a small cost on every guest write)."""
+
+    name = "firecracker"
+
+    def __init__(self, *, binary: str | None = None, accel: AccelChoice | None = None,
+                 log_level: fc.LogLevel | None = None, metrics: bool = False,
+                 track_dirty_pages: bool = True) -> None:
+        self._binary = binary
+        self._accel = accel
+        self.log_level = log_level
+        self.metrics = metrics
+        self.track_dirty_pages = track_dirty_pages
+
+    @property
+    def accel(self) -> AccelChoice:
+        return self._accel or host_accel()
+
+    def _binary_or_raise(self, vm_id: str) -> str:
+        """The binary to run, after checking the host can run it at all."""
+        binary = self._binary or firecracker_binary()
+        if binary is None:
+            raise BootError(f"no {BINARY} binary on PATH", vm_id=vm_id)
+        if self.accel.accel != "kvm":
+            raise BootError(f"Firecracker needs hardware KVM: {self.accel.reason}", vm_id=vm_id)
+        return binary
+
+    @staticmethod
+    def check_spec(spec: VMSpec) -> None:
+        """Refuse what Firecracker cannot do, before anything is created or started."""
+        for drive in spec.drives:
+            if drive.format != "raw":
+                raise NotSupportedError(
+                    f"drive {drive.id} ({drive.path}) is {drive.format}: Firecracker opens raw "
+                    "files only (give the data directory a reflink-capable filesystem such as "
+                    "XFS or btrfs, so sandbox disks are raw reflinks)", vm_id=spec.vm_id)
+        if spec.memory_file is not None:
+            raise NotSupportedError("Firecracker boots with its own anonymous guest memory; "
+                                    "VMSpec.memory_file must be None", vm_id=spec.vm_id)
+        try:
+            with open(spec.kernel, "rb") as f:
+                magic = f.read(4)
+        except OSError as e:
+            raise BootError(f"cannot read kernel {spec.kernel}: {e.strerror}",
+                            vm_id=spec.vm_id) from e
+        if magic != _ELF_MAGIC:
+            raise BootError(f"kernel {spec.kernel} is not an uncompressed vmlinux (ELF), "
+                            "which Firecracker v1.16 needs on x86_64", vm_id=spec.vm_id)
+
+    def _observability(self) -> list[fc.Request]:
+        """Requests that may precede both a boot and a snapshot load (Firecracker does not
+        keep them in a snapshot). The load docs name only logger and metrics as allowed
+        before it; v1.16.1 also accepts ``/serial`` there (it does not mark the process as
+        booting) and applies it to the restored serial device, which this relies on."""
+        requests = []
+        if self.log_level is not None:
+            requests.append(fc.put_logger(self.log_level))
+        if self.metrics:
+            requests.append(fc.put_metrics(METRICS))
+        requests.append(fc.put_serial(wd.CONSOLE))
+        return requests
+
+    async def boot(self, spec: VMSpec) -> FirecrackerVM:
+        self.check_spec(spec)
+        binary = self._binary_or_raise(spec.vm_id)
+        wd.prepare(spec)
+        machine = {
+            "vcpus": spec.vcpus,
+            "memory_mib": spec.memory_mib,
+            "track_dirty_pages": self.track_dirty_pages,
+            "kernel": str(spec.kernel.resolve()),
+            "initrd": str(spec.initrd.resolve()) if spec.initrd else None,
+            "boot_args": boot_args(spec.boot_args),
+            "drives": [{"id": d.id, "read_only": d.read_only, "root": i == 0}
+                       for i, d in enumerate(spec.drives)],
+            "network": {"iface_id": IFACE_ID, "host_dev_name": spec.tap, "guest_mac": spec.mac}
+            if spec.tap else None,
+        }
+        requests = [
+            *self._observability(),
+            fc.put_machine_config(spec.vcpus, spec.memory_mib,
+                                  track_dirty_pages=self.track_dirty_pages),
+            fc.put_boot_source(wd.KERNEL, machine["boot_args"],
+                               wd.INITRD if spec.initrd else None),
+            *(fc.put_drive(d.id, wd.drive_name(d), is_root_device=i == 0,
+                           is_read_only=d.read_only) for i, d in enumerate(spec.drives)),
+        ]
+        if spec.tap:
+            requests.append(fc.put_network_interface(IFACE_ID, spec.tap, spec.mac))
+        requests.append(fc.put_entropy())
+        vm, t_configured = await self._start(
+            spec.vm_id, spec.workdir, spec.netns, binary, machine, requests,
+            restored_from=None)
+        t = time.monotonic()
+        try:
+            await vm._call(fc.instance_start())
+        except BaseException as e:
+            error = await self._failed(vm, e, "InstanceStart failed")
+            if error is e:
+                raise
+            raise error from e
+        vm.boot_timings.update(configured=t_configured, qmp_ready=time.monotonic() - vm.started_at)
+        log.info("booted %s in %.0f ms (pid %d, InstanceStart %.0f ms)", spec.vm_id,
+                 vm.boot_timings["qmp_ready"] * 1000, vm.pid, (time.monotonic() - t) * 1000,
+                 extra={"vm_id": spec.vm_id, "op": "boot", "phase": "instance_start",
+                        "duration": vm.boot_timings["qmp_ready"]})
+        return vm
+
+    async def restore(self, snapshot_dir: Path, overrides: RestoreOverrides) -> FirecrackerVM:
+        """Start a new Firecracker from ``snapshot_dir`` in the new ``overrides.workdir``;
+        returns with the VM running. Any failure is a ``SnapshotError`` (the cause chained),
+        with no process left behind."""
+        vm_id, workdir = overrides.vm_id, overrides.workdir
+        t0 = time.monotonic()
+        try:
+            manifest = snapshots.read_manifest(snapshot_dir)
+            if manifest.driver != fcsnap.DRIVER:
+                raise SnapshotError(f"{snapshot_dir} was written by the {manifest.driver} "
+                                    "driver, not by firecracker", vm_id=vm_id)
+            unknown = set(overrides.drives) - {d.id for d in manifest.drives}
+            if unknown:
+                raise SnapshotError(f"overrides name drives the snapshot does not have: "
+                                    f"{sorted(unknown)}", vm_id=vm_id)
+            binary = self._binary_or_raise(vm_id)
+            workdir.mkdir(parents=True)  # must be new: nothing of another VM may linger
+            memory = await asyncio.to_thread(self._prepare_restore, manifest, snapshot_dir,
+                                             overrides)
+            t_files = time.monotonic() - t0
+            machine = json.loads(json.dumps(manifest.vm))
+            network = machine.get("network")
+            overrides_net: list[tuple[str, str]] = []
+            if network and overrides.tap:
+                network["host_dev_name"] = overrides.tap
+                overrides_net.append((network["iface_id"], overrides.tap))
+            requests = [
+                *self._observability(),
+                fc.load_snapshot(_rel(snapshot_dir / fcsnap.VMSTATE, workdir),
+                                 _rel(memory, workdir),
+                                 track_dirty_pages=machine["track_dirty_pages"], resume_vm=True,
+                                 network_overrides=overrides_net),
+            ]
+            vm, t_loaded = await self._start(vm_id, workdir, overrides.netns, binary, machine,
+                                             requests, restored_from=snapshot_dir,
+                                             last_timeout=LOAD_TIMEOUT)
+        except SnapshotError:
+            raise
+        except BootError as e:
+            raise SnapshotError(f"restore of {snapshot_dir} failed: {e.args[0]}", vm_id=vm_id,
+                                vmm_log_tail=e.vmm_log_tail) from (e.__cause__ or e)
+        except (OSError, snapshots.SnapshotError) as e:
+            raise SnapshotError(f"restore of {snapshot_dir} failed: {e}", vm_id=vm_id) from e
+        vm.boot_timings.update(files=t_files, loaded=t_loaded)
+        log.info("restored %s from %s in %.0f ms (files %.0f ms, pid %d)", vm_id, snapshot_dir,
+                 (time.monotonic() - t0) * 1000, t_files * 1000, vm.pid,
+                 extra={"vm_id": vm_id, "op": "restore", "duration": time.monotonic() - t0})
+        return vm
+
+    @staticmethod
+    def _prepare_restore(manifest: snapshots.Manifest, snapshot_dir: Path,
+                         overrides: RestoreOverrides) -> Path:
+        """Put every drive under its fixed name in the new working directory (an override,
+        the shared read-only image, or a copy of the snapshot's own file, which must never be
+        written: a reflink, else a sparse copy that costs what the disk holds), and return
+        the memory file to load."""
+        workdir = overrides.workdir
+        if overrides.console_log is not None:
+            overrides.console_log.parent.mkdir(parents=True, exist_ok=True)
+            overrides.console_log.touch()
+            (workdir / wd.CONSOLE).symlink_to(overrides.console_log.resolve())
+        for d in manifest.drives:
+            name = workdir / f"{d.id}.raw"
+            name.unlink(missing_ok=True)
+            if d.id in overrides.drives:
+                name.symlink_to(overrides.drives[d.id].resolve())
+            elif d.read_only and d.path is not None:
+                name.symlink_to(d.path)
+            else:
+                assert d.file is not None
+                fcsnap.clone(snapshot_dir / d.file, name)
+        return fcsnap.memory_for_restore(manifest, workdir)
+
+    async def _start(self, vm_id: str, workdir: Path, netns: str | None, binary: str,
+                     machine: dict[str, Any], requests: list[fc.Request], *,
+                     restored_from: Path | None,
+                     last_timeout: float | None = None) -> tuple[FirecrackerVM, float]:
+        """Spawn Firecracker in ``workdir``, wait for its socket, check its version and
+        send ``requests``; on any failure no process is left and ``BootError`` says why."""
+        accel = self.accel
+        for stale in (API_SOCKET, wd.PIDFILE):  # Firecracker refuses an existing socket
+            (workdir / stale).unlink(missing_ok=True)
+        (workdir / wd.CONSOLE).touch()
+        argv = build_argv(binary, netns)
+        record: dict[str, Any] = {
+            "vm_id": vm_id, "runtime": self.name, "accel": "kvm", "accel_reason": accel.reason,
+            "argv": argv, "created_at": time.time(), "machine": machine,
+            "restored_from": str(restored_from) if restored_from else None,
+            "memory_parent": str(restored_from) if restored_from else None,
+        }
+        _write_json(workdir / wd.MANIFEST, record)
+        t0 = time.monotonic()
+        try:
+            process = await asyncio.to_thread(VMMProcess.spawn, argv, workdir,
+                                              workdir / wd.VMM_LOG)
+        except OSError as e:
+            raise BootError(f"cannot start {argv[0]}: {e.strerror}", vm_id=vm_id) from e
+        (workdir / wd.PIDFILE).write_text(f"{process.pid}\n")
+        api = fc.FirecrackerAPI(workdir / API_SOCKET, vm_id=vm_id)
+        vm = FirecrackerVM(vm_id=vm_id, workdir=workdir, process=process, api=api,
+                           record=record, started_at=t0)
+        try:
+            version = await self._wait_for_api(vm, t0 + API_TIMEOUT)
+            vm.boot_timings["api_ready"] = time.monotonic() - t0
+            if fc.parse_version(version) < fc.MIN_VERSION:
+                raise BootError(f"Firecracker {version} is too old: aenv needs v1.14 or newer",
+                                vm_id=vm_id)
+            record["machine"]["firecracker_version"] = version  # the format of its vmstate
+            _write_json(workdir / wd.MANIFEST, record)
+            for i, request in enumerate(requests):
+                last = i == len(requests) - 1
+                await vm._call(request, timeout=last_timeout if last else None)
+        except BaseException as e:
+            error = await self._failed(vm, e, "Firecracker did not start")
+            if error is e:
+                raise
+            raise error from e
+        return vm, time.monotonic() - t0
+
+    @staticmethod
+    async def _wait_for_api(vm: FirecrackerVM, deadline: float) -> str:
+        while True:
+            if not vm.is_alive():
+                status = await vm.wait()
+                raise BootError(f"Firecracker exited with status {status} before its API "
+                                "socket answered", vm_id=vm.vm_id)
+            try:
+                reply = await vm._api.send(fc.get_version(), timeout=1.0)
+                return str(reply["firecracker_version"])
+            except fc.APIConnectionError:
+                if time.monotonic() > deadline:
+                    raise BootError(f"Firecracker's API socket did not answer within "
+                                    f"{API_TIMEOUT}s", vm_id=vm.vm_id) from None
+                await asyncio.sleep(0.005)
+
+    @staticmethod
+    async def _failed(vm: FirecrackerVM, error: BaseException, what: str) -> BaseException:
+        """Kill a VMM that failed to start; the exception to raise in place of ``error``
+        (a ``BootError`` with both logs, or ``error`` itself for cancellation). The kill is
+        synchronous so that even a cancelled start leaves no process."""
+        vm._process.kill_now()
+        await vm._api.aclose()
+        if not isinstance(error, Exception):
+            return error
+        if isinstance(error, BootError):
+            result = error
+        else:
+            result = BootError(f"{what}: {error}", vm_id=vm.vm_id)
+        result.console_tail = result.console_tail or wd.tail(vm.workdir / wd.CONSOLE)
+        result.vmm_log_tail = result.vmm_log_tail or wd.tail(vm.workdir / wd.VMM_LOG)
+        return result
+
+    async def attach(self, workdir: Path) -> FirecrackerVM:
+        """Find the live Firecracker of ``workdir`` (pidfile + cwd check) and reconnect."""
+        try:
+            record = json.loads((workdir / wd.MANIFEST).read_text())
+            pid = int((workdir / wd.PIDFILE).read_text().strip())
+        except (OSError, ValueError) as e:
+            raise AttachError(f"no VMM recorded in {workdir}: {e}") from e
+        vm_id = record.get("vm_id")
+        if record.get("runtime") != self.name:
+            raise AttachError(f"{workdir} belongs to the {record.get('runtime')} driver",
+                              vm_id=vm_id)
+        try:
+            process = VMMProcess.adopt(pid, workdir)
+        except NotOurProcessError as e:
+            raise AttachError(f"VMM of {vm_id}: {e}", vm_id=vm_id) from e
+        api = fc.FirecrackerAPI(workdir / API_SOCKET, vm_id=vm_id)
+        vm = FirecrackerVM(vm_id=vm_id, workdir=workdir, process=process, api=api,
+                           record=record, started_at=time.monotonic())
+        try:
+            state = await vm.status()
+        except (ControlError, VMExitedError) as e:
+            await api.aclose()
+            process.close()
+            raise AttachError(f"API of {vm_id} does not answer: {e}", vm_id=vm_id) from e
+        log.info("attached %s (pid %d, %s)", vm_id, pid, state,
+                 extra={"vm_id": vm_id, "op": "attach"})
+        return vm
+
+
+def _readable_manifest(directory: Path | None) -> snapshots.Manifest | None:
+    """The manifest of a diff parent, or None when it is gone (then the snapshot is Full)."""
+    if directory is None:
+        return None
+    try:
+        return snapshots.read_manifest(directory)
+    except snapshots.SnapshotError:
+        return None

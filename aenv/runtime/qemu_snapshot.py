@@ -1,0 +1,562 @@
+"""The QEMU driver's snapshots: what ``QemuVM.snapshot`` writes and ``QemuRuntime.restore``
+reads, in the directory layout of ``aenv.storage.snapshots``. The format lives here only.
+
+Device state: ``xen-save-devices-state`` (QEMU 7.2 has no ``mapped-ram`` and no ``file:``
+migration). It writes every device's state and *no RAM*, whatever the RAM backend, in ~2 ms
+and ~20 KiB. Unlike ``x-ignore-shared``, which skips only ``share=on`` RAM, it keeps the save
+O(1) for restored VMs too, whose RAM is a private (``share=off``) mapping. The restore side
+loads it as an ordinary incoming migration (``-incoming defer``, then ``migrate-incoming
+fd:N``; ``-S``; ``send-configuration=off`` since the save has no configuration section).
+QEMU writes no ROM images into RAM while a migration is pending, so the restored RAM is
+exactly the mapped base plus the diff pages, which are written *before* the state loads:
+virtio's load checks its ring indices in guest RAM and marks a device broken on mismatch.
+
+Memory, two cases:
+- A *booted* VM maps its own RAM file ``share=on`` (tmpfs, ``workdir.MEMORY``). Its snapshot
+  is a full layer: a sparse copy of that file (in-kernel ``sendfile`` of the allocated
+  extents), made while frozen, or after the VMM quit when pausing. This costs the RAM the
+  guest has touched; it happens once per template build.
+- A *restored* VM maps the snapshot's base image ``share=off`` and got the diff layers
+  written over it before its vCPUs started. Its snapshot scans ``/proc/<pid>/pagemap``
+  (``guest_memory``) for the pages it holds privately — the written ones — compares each
+  with the copy the layer stack has, and writes only the pages that differ as a new diff
+  layer. Pause, snapshot and fork cost O(written pages) plus a scan of 8 bytes per page.
+  Restore costs O(device state + diff pages), not O(RAM): the base is mapped, never read.
+  Every restore of one snapshot shares the base's page cache; each holds only its diff
+  pages and what it writes itself as private memory.
+- Chains: a diff layer is added per snapshot. When that would exceed ``max_chain`` diff
+  layers, the new layer instead holds every page that differs from the base (one diff on
+  the base); if that is more than half of RAM, a new full image is written (O(RAM), rare).
+  ``incremental=False`` always writes the full image.
+
+Drives (qcow2): pausing moves the VM's top overlay into the snapshot (O(1)); a running
+snapshot hard-links the frozen top into the snapshot and switches the VM onto a new overlay
+(``blockdev-snapshot-sync`` onto a file created before the freeze), so the freeze holds no
+disk copy. A restore gets a new overlay over the snapshot's file. When the qcow2 chain would
+exceed ``max_chain`` snapshot layers, the snapshot's file is flattened onto the chain's root
+image (copy of the top + qemu-img safe rebase: O(data written in the chain)), after the VM
+runs again. Writable raw drives (reflink hosts) are moved on pause and reflinked while
+frozen otherwise. Read-only drives are referenced, not copied.
+
+Caveat: a restored VM keeps every page it wrote since its restore private, so each later
+snapshot re-reads (and compares, but does not re-write) all of them: its freeze grows with
+everything written since the restore, its output only with what changed since the parent.
+
+Why not the alternatives QEMU 7.2 offers: a streaming migration (and ``background-snapshot``,
+which only shortens the freeze) writes all of RAM; ``x-ignore-shared`` skips only
+``share=on`` RAM, which a restore cannot use without writing into the snapshot; the
+migration's dirty log exists only during a migration that sends the pages anyway, and
+``calc-dirty-rate`` estimates a rate, not a page set. Giving each VM its own reflinked RAM
+file mapped ``share=on`` would make pause O(1) with no diff at all, but needs XFS or btrfs
+(this host's data dir is ext4, /dev/shm is tmpfs: neither reflinks).
+
+The VM's working directory records which snapshot it derives from and its active drive
+files in ``lineage.json``, so a snapshot after a server restart (``attach``) is still
+incremental.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import errno
+import json
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from ..storage import snapshots as snap
+from ..storage.disks import DiskError, create_disk, reflink
+from ..storage.errors import StorageError
+from . import guest_memory as gm
+from . import workdir as wd
+from .base import (
+    Drive,
+    NotSupportedError,
+    RestoreOverrides,
+    SnapshotError,
+    SnapshotInfo,
+    VMError,
+    VMSpec,
+)
+
+if TYPE_CHECKING:
+    from .qemu import QemuVM
+
+log = logging.getLogger("aenv.runtime")
+
+DRIVER = "qemu"
+DEFAULT_MAX_CHAIN = 4  # diff layers on a memory base, snapshot layers in a qcow2 chain
+FULL_FRACTION = 0.5  # compaction writes a full image when more than this much RAM differs
+PAGE = snap.PAGE_SIZE
+_CHUNK_PAGES = 2048  # 8 MiB per read of guest memory
+_SAME_OWNER = re.compile(rb"(.)\1*", re.S)
+
+
+# -- what the working directory records -------------------------------------------------------
+
+
+def machine_record(spec: VMSpec, accel: str) -> dict[str, Any]:
+    """The machine shape a restore must rebuild exactly (kept in ``vm.json`` and in every
+    snapshot manifest). Host paths are of shared, immutable files (kernel, initrd)."""
+    return {
+        "vcpus": spec.vcpus,
+        "memory_mib": spec.memory_mib,
+        "accel": accel,
+        "kernel": str(spec.kernel.resolve()),
+        "initrd": str(spec.initrd.resolve()) if spec.initrd else None,
+        "boot_args": spec.boot_args,
+        "mac": spec.mac,
+        "tap": spec.tap,
+        "memory_file": spec.memory_file is not None,
+        "drives": [{"id": d.id, "format": d.format, "read_only": d.read_only}
+                   for d in spec.drives],
+    }
+
+
+def read_machine(workdir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((workdir / wd.MANIFEST).read_text())["machine"]
+    except (OSError, ValueError, KeyError) as e:
+        raise SnapshotError(f"{workdir} has no machine record: {e}") from e
+
+
+@dataclass
+class Lineage:
+    """Where a VM's state comes from. ``memory``: ``shared`` = its own RAM file (booted),
+    ``private`` = a snapshot's base mapped copy-on-write (restored). ``parent``: the snapshot
+    whose layers it derives from. ``tops``: the active file (name in the working directory)
+    of each writable drive; ``generation`` numbers the overlays made by running snapshots."""
+
+    memory: Literal["shared", "private"]
+    parent: Path | None
+    tops: dict[str, str]
+    generation: int = 0
+
+    @classmethod
+    def load(cls, workdir: Path, machine: dict[str, Any]) -> Lineage:
+        try:
+            data = json.loads((workdir / wd.LINEAGE).read_text())
+        except FileNotFoundError:
+            tops = {d["id"]: f"{d['id']}.{d['format']}" for d in machine["drives"]
+                    if not d["read_only"]}
+            return cls("shared", None, tops)
+        return cls(data["memory"], Path(data["parent"]) if data["parent"] else None,
+                   data["tops"], data.get("generation", 0))
+
+    def save(self, workdir: Path) -> None:
+        tmp = workdir / (wd.LINEAGE + ".tmp")
+        tmp.write_text(json.dumps({"memory": self.memory,
+                                   "parent": str(self.parent) if self.parent else None,
+                                   "tops": self.tops, "generation": self.generation}))
+        os.replace(tmp, workdir / wd.LINEAGE)
+
+
+# -- capture ----------------------------------------------------------------------------------
+
+
+@dataclass
+class _DrivePlan:
+    id: str
+    format: Literal["raw", "qcow2"]
+    read_only: bool
+    top: Path | None = None  # real path of the VM's active file
+    file: str | None = None  # its name in the snapshot
+    chain: tuple[Path, ...] = ()
+    root: Path | None = None
+    root_format: str | None = None
+    flatten: bool = False
+    new_top: str | None = None  # running qcow2 capture: overlay the VM continues on
+
+    def image(self) -> snap.DriveImage:
+        if self.read_only:
+            return snap.DriveImage(self.id, self.format, True, path=self.top)
+        return snap.DriveImage(self.id, self.format, False, file=self.file, chain=self.chain,
+                               root=self.root, root_format=self.root_format)
+
+
+def _plan_drives(workdir: Path, machine: dict[str, Any], lineage: Lineage,
+                 parent: snap.Manifest | None, directory: Path, *, stop: bool,
+                 incremental: bool, max_chain: int) -> list[_DrivePlan]:
+    """Decide what happens to each drive, and make the overlays a running VM will switch
+    to, before the freeze (qemu-img takes ~20 ms a call)."""
+    plans = []
+    for d in machine["drives"]:
+        p = _DrivePlan(d["id"], d["format"], d["read_only"])
+        if p.read_only:
+            p.top = (workdir / f"{p.id}.{p.format}").resolve()
+            plans.append(p)
+            continue
+        p.top = (workdir / lineage.tops[p.id]).resolve()
+        p.file = f"{p.id}.{p.format}"
+        inherited = parent.drive(p.id) if parent is not None else None
+        if p.format == "raw":
+            plans.append(p)  # a reflink copy or the moved file: self-contained
+            continue
+        info = snap.image_info(p.top)
+        if inherited is not None and inherited.file is not None:
+            assert lineage.parent is not None
+            p.chain = (lineage.parent / inherited.file, *inherited.chain)
+            p.root, p.root_format = inherited.root, inherited.root_format
+        else:
+            p.root, p.root_format = info.backing, info.backing_format
+        p.flatten = not incremental or len(p.chain) + 1 > max_chain
+        if not stop:
+            p.new_top = f"{p.id}.{lineage.generation + 1}.qcow2"
+            new = workdir / p.new_top
+            new.unlink(missing_ok=True)
+            snap.create_overlay(new, directory / p.file, "qcow2", info.virtual_size)
+        plans.append(p)
+    return plans
+
+
+@dataclass
+class _MemoryResult:
+    layers: tuple[snap.MemoryLayer, ...]
+    written: int  # bytes this snapshot wrote
+    compacted: bool = False
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+def _capture_shared(workdir: Path, staging: Path) -> _MemoryResult:
+    """A booted VM's own RAM file, copied sparse into a full layer."""
+    copied = snap.copy_sparse((workdir / wd.MEMORY).resolve(), staging / snap.MEMORY)
+    layer = snap.MemoryLayer(staging, "full", snap.allocated(staging / snap.MEMORY) // PAGE)
+    return _MemoryResult((layer,), copied)
+
+
+def _pread(fd: int, length: int, offset: int) -> bytes:
+    data = os.pread(fd, length, offset)
+    if len(data) != length:  # layer files are full size: only a truncated file gets here
+        raise snap.SnapshotError(f"short read of a memory layer at {offset:#x}")
+    return data
+
+
+def _write_changed(mem: gm.ProcessMemory, writer: snap.LayerWriter,
+                   runs: list[tuple[int, int]], owners: bytes | bytearray | None,
+                   ref_fds: list[int]) -> None:
+    """Write the pages of ``runs`` whose guest content differs from the stack's copy (the
+    layer named by ``owners``; ``owners`` None: write them all)."""
+    for start, count in gm.split_runs(runs, _CHUNK_PAGES):
+        data = mem.read(start, count)
+        if owners is None:
+            writer.write(start, data)
+            continue
+        for m in _SAME_OWNER.finditer(owners, start, start + count):
+            first, n = m.start(), m.end() - m.start()
+            off = (first - start) * PAGE
+            ref = _pread(ref_fds[owners[first]], n * PAGE, first * PAGE)
+            if data[off:off + n * PAGE] == ref:
+                continue
+            pending = -1  # first page of a run of changed pages not yet written
+            for i in range(n + 1):
+                same = i == n or data[off + i * PAGE:off + (i + 1) * PAGE] == \
+                    ref[i * PAGE:(i + 1) * PAGE]
+                if not same and pending < 0:
+                    pending = i
+                elif same and pending >= 0:
+                    writer.write(first + pending, data[off + pending * PAGE:off + i * PAGE])
+                    pending = -1
+
+
+def _capture_private(pid: int, workdir: Path, staging: Path, parent: snap.Manifest,
+                     *, incremental: bool, max_chain: int) -> _MemoryResult:
+    """A restored VM: the pages it wrote, against its parent's layer stack."""
+    t = time.monotonic()
+    size = parent.memory_size
+    npages = size // PAGE
+    layers = parent.layers
+    mapping = gm.find_mapping(pid, workdir / wd.BASE_MEMORY, size)
+    runs = gm.private_runs(pid, mapping)
+    private = sum(n for _, n in runs)
+    phases = {"scan": time.monotonic() - t}
+    compact = len(layers) > max_chain  # one more diff would exceed the limit
+    full = not incremental or (compact and private > FULL_FRACTION * npages)
+    ref_fds = [os.open(la.path, os.O_RDONLY) for la in layers]
+    try:
+        if full:
+            writer = snap.LayerWriter(staging, size, "full", base=layers[0].path)
+            owners = None
+        else:
+            writer = snap.LayerWriter(staging, size, "diff")
+            # Compacting: the new diff sits on the base alone, so compare with the base.
+            owners = bytearray(npages) if compact else snap.owner_map(layers, npages)
+        phases["prepare"] = time.monotonic() - t
+        with gm.ProcessMemory(pid, mapping) as mem:
+            _write_changed(mem, writer, runs, owners, ref_fds)
+        layer = writer.close()
+    finally:
+        for fd in ref_fds:
+            os.close(fd)
+    phases["copy"] = time.monotonic() - t
+    written = writer.pages * PAGE
+    if full:
+        return _MemoryResult((layer,), written, True, phases)
+    base = (layers[0],) if compact else layers
+    if layer.pages == 0:
+        (staging / snap.MEMORY).unlink()
+        (staging / snap.MEMORY_RUNS).unlink()
+        return _MemoryResult(base, 0, compact, phases)
+    return _MemoryResult((*base, layer), written, compact, phases)
+
+
+async def _switch_drive(vm: QemuVM, p: _DrivePlan, staging: Path) -> None:
+    """While frozen: the current top becomes the snapshot's layer, the VM continues on a
+    new one (qcow2), or gets a reflink copy taken (raw)."""
+    assert p.top is not None and p.file is not None
+    dest = staging / p.file
+    if p.format == "raw":
+        try:
+            reflink(p.top, dest)
+        except OSError as e:
+            raise NotSupportedError(f"drive {p.id}: a running snapshot of a raw drive needs "
+                                    f"reflink support ({e.strerror})", vm_id=vm.vm_id) from e
+        return
+    try:
+        os.link(p.top, dest)
+    except OSError as e:
+        if e.errno != errno.EXDEV:
+            raise
+        snap.copy_sparse(p.top, dest)  # snapshots on another filesystem: a real copy
+    await vm._execute("blockdev-snapshot-sync", {"device": p.id, "snapshot-file": p.new_top,
+                                                 "format": "qcow2", "mode": "existing"})
+
+
+def _take_drive(p: _DrivePlan, staging: Path) -> None:
+    """After the VMM quit: the top moves into the snapshot."""
+    assert p.top is not None and p.file is not None
+    try:
+        os.rename(p.top, staging / p.file)
+    except OSError as e:
+        if e.errno != errno.EXDEV:
+            raise
+        snap.copy_sparse(p.top, staging / p.file)
+        p.top.unlink()
+
+
+def _flatten(p: _DrivePlan, staging: Path, *, shared: bool) -> None:
+    """Cut the drive's chain back to its root. ``shared``: the file is still the running
+    VM's backing (a hard link), so flatten a copy and put that in its place."""
+    path = staging / p.file  # type: ignore[operator]
+    if shared:
+        tmp = path.with_name(path.name + ".flat")
+        snap.copy_sparse(path, tmp)
+        snap.flatten_onto(tmp, p.root, p.root_format)
+        os.replace(tmp, path)
+    else:
+        snap.flatten_onto(path, p.root, p.root_format)
+    p.chain = ()
+
+
+async def capture(vm: QemuVM, directory: Path, *, stop: bool, incremental: bool,
+                  max_chain: int) -> SnapshotInfo:
+    """``QemuVM.snapshot``: see ``aenv.runtime.base.VM.snapshot`` and the module docstring."""
+    t0 = time.monotonic()
+    phases: dict[str, float] = {}
+    machine = read_machine(vm.workdir)
+    if not machine["memory_file"]:
+        raise NotSupportedError("snapshots need guest RAM in a file (VMSpec.memory_file)",
+                                vm_id=vm.vm_id)
+    lineage = Lineage.load(vm.workdir, machine)
+    try:
+        parent = snap.read_manifest(lineage.parent) if lineage.parent else None
+        staging = snap.begin(directory)
+    except StorageError as e:
+        raise SnapshotError(f"cannot snapshot {vm.vm_id}: {e}", vm_id=vm.vm_id) from e
+    if lineage.memory == "private" and parent is None:
+        raise SnapshotError(f"{vm.vm_id} was restored but its snapshot is gone", vm_id=vm.vm_id)
+    vm_lost = False
+    try:
+        plans = await asyncio.to_thread(_plan_drives, vm.workdir, machine, lineage, parent,
+                                        directory, stop=stop, incremental=incremental,
+                                        max_chain=max_chain)
+        phases["plan"] = time.monotonic() - t0
+        was_running = await vm.status() == "running"
+        t_stop = time.monotonic()
+        if was_running:
+            await vm._execute("stop")
+        mem: _MemoryResult | None = None
+        try:
+            await vm._execute("xen-save-devices-state",
+                              {"filename": str(staging / snap.DEVICE_STATE), "live": False})
+            phases["device_state"] = time.monotonic() - t_stop
+            if lineage.memory == "private":
+                assert parent is not None
+                mem = await asyncio.to_thread(_capture_private, vm.pid, vm.workdir, staging,
+                                              parent, incremental=incremental,
+                                              max_chain=max_chain)
+            elif not stop:
+                mem = await asyncio.to_thread(_capture_shared, vm.workdir, staging)
+            phases["memory"] = time.monotonic() - t_stop
+            if not stop:
+                for p in plans:
+                    if not p.read_only:
+                        await _switch_drive(vm, p, staging)
+        except BaseException:
+            if was_running and not stop and vm.is_alive():
+                await vm._execute("cont")
+            raise
+        if stop:
+            vm_lost = True
+            await vm.stop()
+            t_thaw = time.monotonic()
+            if mem is None:
+                mem = await asyncio.to_thread(_capture_shared, vm.workdir, staging)
+            for p in plans:
+                if not p.read_only:
+                    await asyncio.to_thread(_take_drive, p, staging)
+        else:
+            if was_running:
+                await vm._execute("cont")
+            t_thaw = time.monotonic()
+        phases["frozen"] = t_thaw - t_stop
+        for p in plans:
+            if p.flatten:
+                try:
+                    await asyncio.to_thread(_flatten, p, staging, shared=not stop)
+                except StorageError as e:
+                    # The VM may already run on an overlay that names this snapshot's
+                    # file: keep the snapshot, one layer deeper than the limit.
+                    log.warning("snapshot %s: compacting drive %s failed, kept as is: %s",
+                                directory, p.id, e, extra={"vm_id": vm.vm_id})
+                    p.flatten = False
+        phases["drives"] = time.monotonic() - t_thaw
+        assert mem is not None
+        sizes = {
+            "device_state": snap.allocated(staging / snap.DEVICE_STATE),
+            "memory": snap.allocated(staging / snap.MEMORY),
+            "disks": sum(snap.allocated(staging / p.file) for p in plans if p.file),
+        }
+        phases.update({f"memory_{k}": v for k, v in mem.phases.items()})
+        manifest = snap.Manifest(
+            driver=DRIVER, vm=machine, memory_size=machine["memory_mib"] << 20,
+            layers=tuple(_relocate(la, staging, directory) for la in mem.layers),
+            drives=tuple(p.image() for p in plans), parent=lineage.parent,
+            sizes=sizes, timings=phases)
+        snap.commit(staging, directory, manifest)
+    except BaseException as e:
+        snap.abort(staging)
+        if isinstance(e, (StorageError, OSError)):
+            raise SnapshotError(f"snapshot of {vm.vm_id} failed: {e}", vm_id=vm.vm_id,
+                                vm_lost=vm_lost) from e
+        if isinstance(e, (SnapshotError, NotSupportedError)) or not isinstance(e, VMError):
+            raise
+        raise SnapshotError(f"snapshot of {vm.vm_id} failed: {e}", vm_id=vm.vm_id,
+                            vm_lost=vm_lost or not vm.is_alive()) from e
+    if not stop:
+        lineage.parent = directory
+        for p in plans:
+            if p.new_top is not None:
+                lineage.tops[p.id] = p.new_top
+        lineage.generation += 1
+        lineage.save(vm.workdir)
+    total = time.monotonic() - t0
+    info = SnapshotInfo(
+        directory=directory, parent=manifest.parent, freeze_s=phases["frozen"], total_s=total,
+        memory_bytes=mem.written, memory_layers=len(manifest.layers),
+        disk_bytes=sizes["disks"], compacted=mem.compacted or any(p.flatten for p in plans),
+        phases=phases)
+    log.info("snapshot %s -> %s: frozen %.0f ms, total %.0f ms, memory %d KiB in %d layers",
+             vm.vm_id, directory, info.freeze_s * 1000, total * 1000, mem.written >> 10,
+             info.memory_layers,
+             extra={"vm_id": vm.vm_id, "op": "snapshot", "duration": total,
+                    "freeze": info.freeze_s, "stop": stop})
+    return info
+
+
+def _relocate(layer: snap.MemoryLayer, staging: Path, directory: Path) -> snap.MemoryLayer:
+    """Layers written into the staging directory are this snapshot's own."""
+    if layer.directory == staging:
+        return snap.MemoryLayer(directory, layer.kind, layer.pages)
+    return layer
+
+
+# -- restore ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    snapshot_dir: Path
+    manifest: snap.Manifest
+    spec: VMSpec  # ``memory_file`` is the base image the VM maps copy-on-write
+    accel: str
+
+    @property
+    def device_state(self) -> Path:
+        return self.snapshot_dir / snap.DEVICE_STATE
+
+
+def prepare_restore(snapshot_dir: Path, overrides: RestoreOverrides) -> RestorePlan:
+    """Read the snapshot and lay out the new working directory: fixed names for the kernel
+    and each drive (a new copy-on-write layer over the snapshot's), ``base-memory`` linked
+    to the base image, and the lineage that makes the VM's next snapshot incremental."""
+    try:
+        manifest = snap.read_manifest(snapshot_dir)
+    except StorageError as e:
+        raise SnapshotError(str(e), vm_id=overrides.vm_id) from e
+    if manifest.driver != DRIVER:
+        raise SnapshotError(f"{snapshot_dir} was taken by the {manifest.driver} driver",
+                            vm_id=overrides.vm_id)
+    m = manifest.vm
+    workdir = overrides.workdir
+    if workdir.exists() and any(workdir.iterdir()):
+        raise SnapshotError(f"{workdir} is not empty", vm_id=overrides.vm_id)
+    drives = []
+    try:
+        for d in manifest.drives:
+            if d.read_only:
+                assert d.path is not None
+                drives.append(Drive(d.id, d.path, read_only=True, format=d.format))
+            elif d.id in overrides.drives:
+                path = overrides.drives[d.id]
+                drives.append(Drive(d.id, path, format="qcow2" if path.suffix == ".qcow2"
+                                    else "raw"))
+            else:
+                disk = create_disk(snapshot_dir / (d.file or ""), workdir, name=d.id)
+                drives.append(Drive(d.id, disk.path, format=disk.format))
+    except (DiskError, StorageError) as e:
+        raise SnapshotError(f"cannot make the drives of {overrides.vm_id}: {e}",
+                            vm_id=overrides.vm_id) from e
+    spec = VMSpec(
+        vm_id=overrides.vm_id, workdir=workdir, kernel=Path(m["kernel"]),
+        boot_args=m["boot_args"], drives=tuple(drives),
+        initrd=Path(m["initrd"]) if m["initrd"] else None, vcpus=m["vcpus"],
+        memory_mib=m["memory_mib"], tap=(overrides.tap or m["tap"]) if m["tap"] else None,
+        netns=overrides.netns, mac=m["mac"], memory_file=manifest.layers[0].path,
+        console_log=overrides.console_log,
+    )
+    wd.prepare(dataclasses.replace(spec, memory_file=None))
+    base = workdir / wd.BASE_MEMORY
+    base.unlink(missing_ok=True)
+    base.symlink_to(manifest.layers[0].path)
+    tops = {d.id: wd.drive_name(d) for d in drives if not d.read_only}
+    Lineage("private", snapshot_dir, tops).save(workdir)
+    return RestorePlan(snapshot_dir, manifest, spec, m["accel"])
+
+
+def apply_memory(pid: int, plan: RestorePlan) -> int:
+    """Write the diff layers over the freshly mapped base, before the device state is
+    loaded (virtio's load reads its rings from guest RAM); each page is written once, from
+    the newest layer that has it. Returns the pages written."""
+    layers = plan.manifest.layers
+    if len(layers) == 1:
+        return 0
+    size = plan.manifest.memory_size
+    mapping = gm.find_mapping(pid, plan.spec.workdir / wd.BASE_MEMORY, size)
+    owners = snap.owner_map(layers, size // PAGE)
+    written = 0
+    with gm.ProcessMemory(pid, mapping, write=True) as mem:
+        for index in range(1, len(layers)):
+            fd = os.open(layers[index].path, os.O_RDONLY)
+            try:
+                runs = list(snap.runs_where(owners, index))
+                for start, count in gm.split_runs(runs, _CHUNK_PAGES):
+                    mem.write(start, _pread(fd, count * PAGE, start * PAGE))
+                    written += count
+            finally:
+                os.close(fd)
+    return written

@@ -1,0 +1,116 @@
+"""One VMM process seen from the server: spawn it detached, adopt it again, wait, end it.
+
+``spawn`` starts the argv with cwd = the VM working directory, stdin from /dev/null and
+stdout/stderr appended to a log file there, in a new session (so its own process group):
+the VMM outlives the server and signals sent to the server's group never reach it. The pid
+is pinned with a pidfd at once, so waiting and the liveness check never race a pid reuse,
+and ``adopt`` (after a server restart) pins the pid first and only then checks that its
+cwd is the working directory, so a recycled pid is never mistaken for the VMM.
+
+``terminate`` sends SIGTERM to the process group, then SIGKILL after a grace period.
+Written for the Firecracker driver; VMM-neutral.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import select
+import signal
+import subprocess
+from pathlib import Path
+
+
+class NotOurProcessError(Exception):
+    """The pid is gone, or its cwd is not the working directory it should run in."""
+
+
+class VMMProcess:
+    """A live (or exited) VMM process; ``close`` releases the pidfd once it is reaped."""
+
+    def __init__(self, pid: int, *, pidfd: int,
+                 popen: subprocess.Popen[bytes] | None = None) -> None:
+        self.pid = pid
+        self._pidfd = pidfd
+        self._popen = popen
+        self._returncode: int | None = None
+
+    @classmethod
+    def spawn(cls, argv: list[str], cwd: Path, log_path: Path) -> VMMProcess:
+        """Start ``argv`` detached (blocking: call it from a worker thread in async code)."""
+        with open(log_path, "ab") as log_file:
+            popen = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log_file,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        return cls(popen.pid, pidfd=os.pidfd_open(popen.pid), popen=popen)
+
+    @classmethod
+    def adopt(cls, pid: int, workdir: Path) -> VMMProcess:
+        """Take over a VMM started by an earlier server process."""
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError as e:
+            raise NotOurProcessError(f"pid {pid} is gone") from e
+        try:
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+        except OSError as e:
+            os.close(pidfd)
+            raise NotOurProcessError(f"pid {pid} is gone") from e
+        if Path(cwd) != workdir.resolve():
+            os.close(pidfd)
+            raise NotOurProcessError(f"pid {pid} runs in {cwd}, not {workdir}")
+        return cls(pid, pidfd=pidfd)
+
+    @property
+    def is_child(self) -> bool:
+        return self._popen is not None
+
+    def is_alive(self) -> bool:
+        if self._popen is not None:
+            return self._popen.poll() is None
+        if self._pidfd < 0:
+            return False
+        # a pidfd polls readable once its process has exited
+        return not select.select([self._pidfd], [], [], 0)[0]
+
+    async def wait(self) -> int | None:
+        """Wait for the exit; its status when it is our child, else None."""
+        if self.is_alive():
+            loop = asyncio.get_running_loop()
+            exited = loop.create_future()
+            loop.add_reader(self._pidfd, lambda: exited.done() or exited.set_result(None))
+            try:
+                await exited
+            finally:
+                loop.remove_reader(self._pidfd)
+        if self._popen is not None:
+            self._returncode = self._popen.wait()
+        return self._returncode
+
+    def signal_group(self, sig: signal.Signals) -> None:
+        try:
+            os.killpg(self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    async def terminate(self, timeout: float) -> None:
+        """SIGTERM the process group; SIGKILL it if the VMM is still there after ``timeout``."""
+        if self.is_alive():
+            self.signal_group(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self.wait(), timeout)
+                return
+            except TimeoutError:
+                self.signal_group(signal.SIGKILL)
+        await self.wait()
+
+    def kill_now(self) -> None:
+        """SIGKILL the group and reap it (blocking; for cleanup after a failed start)."""
+        self.signal_group(signal.SIGKILL)
+        if self._popen is not None:
+            self._popen.wait()
+        self.close()
+
+    def close(self) -> None:
+        if self._pidfd >= 0 and not self.is_alive():
+            os.close(self._pidfd)
+            self._pidfd = -1

@@ -1,0 +1,435 @@
+"""The on-disk layout of a VM snapshot directory, shared by every runtime driver.
+
+A snapshot directory holds::
+
+    snapshot.json   the manifest (written last, atomically: a directory without it is
+                    not a snapshot)
+    vmstate         the VMM's device state (format owned by the driver that wrote it)
+    memory          this snapshot's memory layer (absent when nothing changed)
+    memory.runs     for a diff layer: which pages ``memory`` holds
+    <drive>.<fmt>   this snapshot's layer of each writable drive (e.g. ``rootfs.qcow2``)
+
+**Memory is a stack of layers**, base first. Layer 0 is *full*: a sparse file of the guest
+RAM size whose every page is valid (holes read as zeros). Each later layer is a *diff*: a
+sparse file of the same size in which only the pages listed in ``memory.runs`` are valid,
+each at its own offset (page ``p`` at ``p * PAGE_SIZE``), so the bytes of any page are found
+without an index lookup. The guest's memory is the base with every diff applied in order.
+A restore maps the base copy-on-write and writes the diff pages over it; a snapshot of a
+restored VM writes only pages that differ from the stack it came from. Layers of other
+snapshots are referenced by their directory (absolute path), as qcow2 references its
+backing file: a snapshot must not be moved or deleted while another one depends on it
+(``dependencies`` lists them, for the caller's garbage collection).
+
+``memory.runs`` is little-endian uint32 pairs ``(first_page, page_count)``, sorted and
+disjoint. No checksums: computing one would cost a pass over data the pause otherwise
+never reads (pause must cost what changed, not what exists); files are written by this
+host and the manifest records their sizes, which ``read_manifest`` checks.
+
+Durability: files are not fsynced; a snapshot survives the server process, not a host
+crash. The manifest carries ``FORMAT_VERSION``; a reader refuses other versions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from array import array
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from ._run import run
+from .errors import StorageError
+
+FORMAT = "aenv-vm-snapshot"
+FORMAT_VERSION = 1
+MANIFEST = "snapshot.json"
+DEVICE_STATE = "vmstate"
+MEMORY = "memory"
+MEMORY_RUNS = "memory.runs"
+PAGE_SIZE = 4096
+
+LayerKind = Literal["full", "diff"]
+Run = tuple[int, int]  # (first page, page count)
+
+
+class SnapshotError(StorageError):
+    """A snapshot directory could not be written or read."""
+
+
+class SnapshotFormatError(SnapshotError):
+    """The directory is not a complete snapshot of a format this code reads."""
+
+
+# -- manifest ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryLayer:
+    """One layer of the memory stack: the ``memory`` file of snapshot ``directory``."""
+
+    directory: Path
+    kind: LayerKind
+    pages: int  # valid pages (for a full layer: the pages allocated in the sparse file)
+
+    @property
+    def path(self) -> Path:
+        return self.directory / MEMORY
+
+    @property
+    def runs_path(self) -> Path:
+        return self.directory / MEMORY_RUNS
+
+
+@dataclass(frozen=True)
+class DriveImage:
+    """A drive as the snapshot keeps it.
+
+    A writable drive has its own ``file`` in the snapshot directory; ``chain`` lists the
+    files of *other* snapshots its backing chain passes through (newest first) and ``root``
+    the read-only image the chain ends on (a template image or layer; None when the file
+    is self-contained). A read-only drive is not copied: ``path`` is the shared image.
+    """
+
+    id: str
+    format: Literal["raw", "qcow2"]
+    read_only: bool
+    file: str | None = None
+    path: Path | None = None
+    chain: tuple[Path, ...] = ()
+    root: Path | None = None
+    root_format: str | None = None
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything about a snapshot except its bulk data. ``vm`` is the driver's own record
+    of the machine shape (what its restore needs to rebuild an identical VMM)."""
+
+    driver: str
+    vm: dict[str, Any]
+    memory_size: int
+    layers: tuple[MemoryLayer, ...]
+    drives: tuple[DriveImage, ...]
+    parent: Path | None = None
+    created_at: float = field(default_factory=time.time)
+    sizes: dict[str, int] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def npages(self) -> int:
+        return self.memory_size // PAGE_SIZE
+
+    @property
+    def diff_depth(self) -> int:
+        """How many diff layers sit on the base (0: the memory is one full file)."""
+        return len(self.layers) - 1
+
+    def drive(self, drive_id: str) -> DriveImage:
+        for d in self.drives:
+            if d.id == drive_id:
+                return d
+        raise KeyError(drive_id)
+
+    def to_json(self, directory: Path) -> dict[str, Any]:
+        def ref(p: Path) -> str | None:
+            return None if p == directory else str(p)
+
+        return {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "driver": self.driver,
+            "created_at": self.created_at,
+            "parent": str(self.parent) if self.parent else None,
+            "vm": self.vm,
+            "device_state": DEVICE_STATE,
+            "memory": {
+                "size": self.memory_size,
+                "page_size": PAGE_SIZE,
+                "layers": [{"dir": ref(la.directory), "kind": la.kind, "pages": la.pages}
+                           for la in self.layers],
+            },
+            "drives": [
+                {"id": d.id, "format": d.format, "read_only": d.read_only, "file": d.file,
+                 "path": str(d.path) if d.path else None, "chain": [str(p) for p in d.chain],
+                 "root": str(d.root) if d.root else None, "root_format": d.root_format}
+                for d in self.drives
+            ],
+            "sizes": self.sizes,
+            "timings": {k: round(v, 6) for k, v in self.timings.items()},
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], directory: Path) -> Manifest:
+        if data.get("format") != FORMAT:
+            raise SnapshotFormatError(f"{directory}: not an aenv VM snapshot")
+        if data.get("version") != FORMAT_VERSION:
+            raise SnapshotFormatError(
+                f"{directory}: snapshot format version {data.get('version')}, "
+                f"this aenv reads {FORMAT_VERSION}")
+        mem = data["memory"]
+        if mem["page_size"] != PAGE_SIZE:
+            raise SnapshotFormatError(f"{directory}: page size {mem['page_size']}")
+        layers = tuple(
+            MemoryLayer(Path(la["dir"]) if la["dir"] else directory, la["kind"], la["pages"])
+            for la in mem["layers"])
+        drives = tuple(
+            DriveImage(d["id"], d["format"], d["read_only"], d["file"],
+                       Path(d["path"]) if d["path"] else None,
+                       tuple(Path(p) for p in d["chain"]),
+                       Path(d["root"]) if d["root"] else None, d.get("root_format"))
+            for d in data["drives"])
+        return cls(driver=data["driver"], vm=data["vm"], memory_size=mem["size"],
+                   layers=layers, drives=drives,
+                   parent=Path(data["parent"]) if data["parent"] else None,
+                   created_at=data["created_at"], sizes=data.get("sizes", {}),
+                   timings=data.get("timings", {}))
+
+
+def read_manifest(directory: Path) -> Manifest:
+    """The manifest of ``directory``, after checking that the files it names are there."""
+    try:
+        data = json.loads((directory / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise SnapshotFormatError(f"{directory} is not a (complete) snapshot") from None
+    except (OSError, ValueError) as e:
+        raise SnapshotFormatError(f"{directory}: unreadable manifest: {e}") from e
+    try:
+        manifest = Manifest.from_json(data, directory)
+    except (KeyError, TypeError) as e:
+        raise SnapshotFormatError(f"{directory}: malformed manifest ({e})") from e
+    for layer in manifest.layers:
+        try:
+            size = layer.path.stat().st_size
+        except FileNotFoundError:
+            raise SnapshotFormatError(f"{directory}: memory layer {layer.path} is missing") \
+                from None
+        if size != manifest.memory_size:
+            raise SnapshotFormatError(f"{layer.path} is {size} bytes, "
+                                      f"the guest has {manifest.memory_size}")
+    for d in manifest.drives:
+        p = directory / d.file if d.file else d.path
+        if p is None or not p.exists():
+            raise SnapshotFormatError(f"{directory}: drive {d.id} file {p} is missing")
+    if not (directory / DEVICE_STATE).is_file():
+        raise SnapshotFormatError(f"{directory}: {DEVICE_STATE} is missing")
+    return manifest
+
+
+# -- directory lifecycle -------------------------------------------------------------------
+
+
+def begin(directory: Path) -> Path:
+    """A fresh staging directory beside ``directory`` (which must not exist yet); fill it,
+    then ``commit``. Files referenced by absolute path (backing chains) must use the final
+    ``directory`` path, which is where they will be read from."""
+    if directory.exists():
+        raise SnapshotError(f"{directory} already exists")
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{directory.name}.partial-", dir=directory.parent))
+
+
+def commit(staging: Path, directory: Path, manifest: Manifest) -> None:
+    """Write the manifest into ``staging`` and rename it to ``directory``."""
+    tmp = staging / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest.to_json(directory), indent=1))
+    os.replace(tmp, staging / MANIFEST)
+    try:
+        os.rename(staging, directory)
+    except OSError as e:
+        raise SnapshotError(f"cannot move snapshot into place at {directory}: {e}") from e
+
+
+def abort(staging: Path) -> None:
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def dependencies(directory: Path) -> set[Path]:
+    """Other snapshot directories whose files ``directory`` reads (memory layers and drive
+    backing chains): none of them may be deleted while ``directory`` exists."""
+    m = read_manifest(directory)
+    deps = {la.directory for la in m.layers} | {p.parent for d in m.drives for p in d.chain}
+    deps.discard(directory)
+    return deps
+
+
+def remove(directory: Path) -> None:
+    """Delete a snapshot directory (the caller checked ``dependencies`` of the others)."""
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def allocated(path: Path) -> int:
+    """Bytes a (sparse) file really occupies."""
+    try:
+        return os.stat(path).st_blocks * 512
+    except FileNotFoundError:
+        return 0
+
+
+# -- page runs ------------------------------------------------------------------------------
+
+
+def write_runs(path: Path, runs: Sequence[Run]) -> None:
+    flat = array("I")
+    for start, count in runs:
+        flat.append(start)
+        flat.append(count)
+    if flat.itemsize != 4:
+        raise SnapshotError("uint32 arrays are not 4 bytes on this platform")
+    if sys.byteorder != "little":
+        flat.byteswap()
+    path.write_bytes(flat.tobytes())
+
+
+def read_runs(path: Path) -> list[Run]:
+    flat = array("I")
+    flat.frombytes(path.read_bytes())
+    if sys.byteorder != "little":
+        flat.byteswap()
+    return list(zip(flat[0::2], flat[1::2], strict=True))
+
+
+_ONE_RUN = re.compile(rb"\x01+")
+
+
+def runs_where(owners: bytes | bytearray, value: int) -> Iterator[Run]:
+    """Maximal runs of pages whose owner byte equals ``value`` (C-speed: translate + re)."""
+    table = bytes(1 if b == value else 0 for b in range(256))
+    for m in _ONE_RUN.finditer(owners.translate(table)):
+        yield m.start(), m.end() - m.start()
+
+
+def owner_map(layers: Sequence[MemoryLayer], npages: int) -> bytearray:
+    """For every page, the index of the layer whose copy is current (0 = the base).
+    Diff layers are applied in order, so a later layer's page wins."""
+    if len(layers) > 255:
+        raise SnapshotError("more than 255 memory layers")
+    owners = bytearray(npages)
+    for index, layer in enumerate(layers[1:], 1):
+        mark = bytes([index])
+        for start, count in read_runs(layer.runs_path):
+            owners[start:start + count] = mark * count
+    return owners
+
+
+class LayerWriter:
+    """Writes pages into a new sparse layer file of ``size`` bytes at their own offsets and
+    records which pages it holds; ``close`` writes the runs file (diff layers only).
+
+    A full layer may start as a sparse copy of an older full layer (``base``): the pages
+    written then replace the copied ones.
+    """
+
+    def __init__(self, directory: Path, size: int, kind: LayerKind,
+                 base: Path | None = None) -> None:
+        self.directory = directory
+        self.kind = kind
+        self.pages = 0
+        self._runs: list[list[int]] = []
+        path = directory / MEMORY
+        if base is not None:
+            if kind != "full":
+                raise ValueError("only a full layer starts from a base")
+            copy_sparse(base, path)
+            self._fd = os.open(path, os.O_WRONLY)
+        else:
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            os.ftruncate(self._fd, size)
+
+    def write(self, first_page: int, data: bytes | memoryview) -> None:
+        count = len(data) // PAGE_SIZE
+        if count == 0:
+            return
+        os.pwrite(self._fd, data, first_page * PAGE_SIZE)
+        self.pages += count
+        if self._runs and self._runs[-1][0] + self._runs[-1][1] == first_page:
+            self._runs[-1][1] += count
+        else:
+            self._runs.append([first_page, count])
+
+    def close(self) -> MemoryLayer:
+        """Finish the layer. A full layer counts its allocated pages (copied + written)."""
+        pages = self.pages
+        if self.kind == "full":
+            pages = os.fstat(self._fd).st_blocks * 512 // PAGE_SIZE
+        os.close(self._fd)
+        if self.kind == "diff":
+            write_runs(self.directory / MEMORY_RUNS, [(s, n) for s, n in self._runs])
+        return MemoryLayer(self.directory, self.kind, pages)
+
+
+def copy_sparse(src: Path, dest: Path) -> int:
+    """Copy ``src`` to a new ``dest`` of the same size, only its data extents (holes stay
+    holes); returns the bytes copied. The copy runs in the kernel (``sendfile``)."""
+    copied = 0
+    with open(src, "rb") as s, open(dest, "xb") as d:
+        size = os.fstat(s.fileno()).st_size
+        os.ftruncate(d.fileno(), size)
+        offset = 0
+        while offset < size:
+            try:
+                start = os.lseek(s.fileno(), offset, os.SEEK_DATA)
+            except OSError:  # ENXIO: no data after offset
+                break
+            end = os.lseek(s.fileno(), start, os.SEEK_HOLE)
+            os.lseek(d.fileno(), start, os.SEEK_SET)
+            pos = start
+            while pos < end:
+                sent = os.sendfile(d.fileno(), s.fileno(), pos, end - pos)
+                if sent == 0:
+                    raise SnapshotError(f"{src} shrank while being copied")
+                pos += sent
+            copied += end - start
+            offset = end
+    return copied
+
+
+# -- drive layers ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ImageInfo:
+    virtual_size: int
+    backing: Path | None
+    backing_format: str | None
+
+
+def _qemu_img() -> str:
+    binary = shutil.which("qemu-img")
+    if binary is None:
+        raise SnapshotError("qemu-img is missing (apt-get install qemu-utils)")
+    return binary
+
+
+def image_info(path: Path) -> ImageInfo:
+    """Virtual size and direct backing file of a disk image (``qemu-img info``)."""
+    out = run([_qemu_img(), "info", "--output=json", "-U", path])
+    info = json.loads(out)
+    backing = info.get("full-backing-filename") or info.get("backing-filename")
+    return ImageInfo(int(info["virtual-size"]), Path(backing) if backing else None,
+                     info.get("backing-filename-format"))
+
+
+def create_overlay(path: Path, backing: Path, backing_format: str, size: int) -> None:
+    """A new empty qcow2 ``path`` over ``backing``, which need not exist yet (its name is
+    recorded, not opened: the snapshot that will hold it is still being written)."""
+    run([_qemu_img(), "create", "-q", "-f", "qcow2", "-u", "-b", backing, "-F", backing_format,
+         path, str(size)])
+
+
+def flatten_onto(path: Path, root: Path | None, root_format: str | None) -> None:
+    """Make qcow2 ``path`` self-contained above ``root``: every cluster its backing chain
+    holds above ``root`` is copied into it and its backing becomes ``root`` (qemu-img's
+    safe rebase reads only clusters allocated between the two, so this costs the data
+    written in the chain, not the disk size). ``root`` None copies everything."""
+    if root is None:
+        run([_qemu_img(), "rebase", "-q", "-f", "qcow2", "-b", "", path])
+    else:
+        run([_qemu_img(), "rebase", "-q", "-f", "qcow2", "-b", root, "-F", root_format or "raw",
+             path])

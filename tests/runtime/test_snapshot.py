@@ -1,0 +1,235 @@
+"""VM snapshots end to end under the qemu driver: pause to a directory and resume in another
+slot, persistent snapshots of a running VM, forks, incremental snapshots of restored VMs,
+and chains compacted at the driver's limit.
+
+One VM is booted for the whole module; it is paused into the module's first snapshot,
+and every other VM here is a restore (about 0.2 s each under TCG). The guest runs a counter
+in the background (``/tmp/counter``, +1 every 0.2 s) and has a file written before the first
+pause, so each restore can show that processes kept running and files are intact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from aenv.runtime.qemu import QemuRuntime
+from aenv.storage import snapshots
+from tests.runtime.conftest import (
+    VM_PREFIX,
+    Guest,
+    boot_guest,
+    destroy_guest,
+    restore_guest,
+)
+
+pytestmark = [pytest.mark.vm, pytest.mark.net, pytest.mark.timeout(300)]
+
+COUNTER = ("i=0; while :; do i=$((i+1)); echo $i > /tmp/counter.new; "
+           "mv /tmp/counter.new /tmp/counter; sleep 0.2; done")
+BEFORE = "/home/user/before-pause.txt"
+GUEST_RAM = 512 << 20  # what boot_guest gives every guest
+
+
+def counter(guest: Guest) -> int:
+    """The guest's counter (0 before its first tick)."""
+    out = guest.sandbox().commands.run("cat /tmp/counter 2>/dev/null || echo 0").stdout
+    return int(out.strip())
+
+
+def counter_advances(guest: Guest, past: int, timeout: float = 10.0) -> int:
+    """Wait until the guest's counter is beyond ``past``; return it."""
+    deadline = time.monotonic() + timeout
+    while (now := counter(guest)) <= past:
+        assert time.monotonic() < deadline, f"counter stuck at {now} (was {past})"
+        time.sleep(0.2)
+    return now
+
+
+@dataclass
+class Origin:
+    snapshot: Path
+    token: str
+    counter_at_pause: int
+    old_slot_index: int
+
+
+@pytest.fixture(scope="module")
+def snap_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("snapshots")
+
+
+@pytest.fixture(scope="module")
+async def origin(rt_settings, kernel, base_image, slot_pool, snap_dir) -> AsyncIterator[Origin]:
+    """A booted guest with the counter running and a file written, paused to a snapshot.
+    Its slot is held until the first restore has its own, so that one lands elsewhere."""
+    g = await boot_guest(VM_PREFIX + "s0", rt_settings, kernel, base_image, slot_pool)
+    try:
+        sbx = g.sandbox()
+        sbx.files.write(BEFORE, "written before the pause\n")
+        sbx.commands.run(COUNTER, background=True)
+        value = counter_advances(g, 1)
+        info = await g.vm.snapshot(snap_dir / "paused", stop=True)
+        assert not g.vm.is_alive()
+        assert info.memory_layers == 1 and info.parent is None
+        yield Origin(snap_dir / "paused", g.token, value, g.slot.index)
+    finally:
+        await destroy_guest(g, slot_pool)
+
+
+@pytest.fixture(scope="module")
+async def resumed(origin: Origin, rt_settings, slot_pool) -> AsyncIterator[Guest]:
+    """The paused guest, resumed (a restored VM: its snapshots are incremental)."""
+    g = await restore_guest(VM_PREFIX + "s1", origin.snapshot, rt_settings, slot_pool,
+                            origin.token)
+    yield g
+    await destroy_guest(g, slot_pool)
+
+
+def test_a_paused_vm_resumes_in_another_slot_with_processes_and_files_intact(
+        origin: Origin, resumed: Guest) -> None:
+    assert resumed.slot.index != origin.old_slot_index
+    assert httpx.get(resumed.url + "/health", timeout=5).status_code == 204
+    sbx = resumed.sandbox()
+    assert sbx.files.read(BEFORE) == "written before the pause\n"
+    # The counter kept its value across the pause and runs on.
+    first = counter(resumed)
+    assert first >= origin.counter_at_pause
+    counter_advances(resumed, first)
+
+
+async def test_restore_reaches_a_running_vmm_quickly_and_maps_memory_copy_on_write(
+        resumed: Guest) -> None:
+    t = resumed.vm.boot_timings
+    assert t["qmp_ready"] <= t["memory_applied"] <= t["state_loaded"] <= t["running"]
+    assert t["running"] < 5.0  # generous: a loaded 2-core TCG host; ~0.04 s when idle
+    maps = Path(f"/proc/{resumed.vm.pid}/maps").read_text()
+    base = str((resumed.vm.workdir / "base-memory").resolve())
+    assert any(line.endswith(base) and " rw-p " in line for line in maps.splitlines())
+
+
+async def fork(snapshot: Path, names: list[str], token: str, settings, pool) -> list[Guest]:
+    results = await asyncio.gather(
+        *(restore_guest(VM_PREFIX + n, snapshot, settings, pool, token) for n in names),
+        return_exceptions=True)
+    guests = [r for r in results if isinstance(r, Guest)]
+    errors = [r for r in results if not isinstance(r, Guest)]
+    if errors:
+        for g in guests:
+            await destroy_guest(g, pool)
+        raise errors[0]
+    return guests
+
+
+async def test_a_persistent_snapshot_keeps_the_source_running_and_its_forks_independent(
+        resumed: Guest, origin: Origin, rt_settings, slot_pool, snap_dir) -> None:
+    before = counter(resumed)
+    info = await resumed.vm.snapshot(snap_dir / "persistent")
+    assert resumed.vm.is_alive() and await resumed.vm.status() == "running"
+    assert 0 < info.freeze_s < info.total_s
+    counter_advances(resumed, before)
+    children = await fork(snap_dir / "persistent", ["s2a", "s2b"], origin.token, rt_settings,
+                          slot_pool)
+    try:
+        a, b = children
+        a.sandbox().files.write("/home/user/marker", "child a\n")
+        b.sandbox().files.write("/var/tmp/other", "child b\n")
+        assert not b.sandbox().files.exists("/home/user/marker")
+        assert not resumed.sandbox().files.exists("/home/user/marker")
+        assert not a.sandbox().files.exists("/var/tmp/other")
+        for g in (a, b):
+            assert g.sandbox().files.read(BEFORE) == "written before the pause\n"
+            counter_advances(g, counter(g))
+        # each child holds only what it wrote as private memory, the rest is shared
+        assert a.vm.pid != b.vm.pid != resumed.vm.pid
+    finally:
+        for g in children:
+            await destroy_guest(g, slot_pool)
+
+
+async def test_a_snapshot_of_a_restored_vm_records_only_the_pages_it_wrote(
+        resumed: Guest, origin: Origin, rt_settings, slot_pool, snap_dir) -> None:
+    sbx = resumed.sandbox()
+    sbx.commands.run("head -c 16777216 /dev/urandom > /dev/shm/dirty", user="root")
+    digest = sbx.commands.run("md5sum < /dev/shm/dirty").stdout.split()[0]
+    info = await resumed.vm.snapshot(snap_dir / "incremental")
+    m = snapshots.read_manifest(snap_dir / "incremental")
+    assert m.parent is not None
+    # one new diff layer on top of the parent's stack
+    assert m.layers[:-1] == snapshots.read_manifest(m.parent).layers
+    assert m.layers[-1].directory == snap_dir / "incremental" and m.layers[-1].kind == "diff"
+    assert 16 << 20 <= info.memory_bytes < GUEST_RAM // 4
+    assert m.sizes["memory"] < GUEST_RAM // 4  # the layer file is sparse
+    assert m.sizes["device_state"] < 1 << 20
+    (child,) = await fork(snap_dir / "incremental", ["s3"], origin.token, rt_settings,
+                          slot_pool)
+    try:
+        out = child.sandbox().commands.run("md5sum < /dev/shm/dirty").stdout.split()[0]
+        assert out == digest
+        assert child.sandbox().files.read(BEFORE) == "written before the pause\n"
+    finally:
+        await destroy_guest(child, slot_pool)
+
+
+async def test_a_vm_reattached_after_a_server_restart_still_snapshots_incrementally(
+        resumed: Guest, snap_dir) -> None:
+    old = resumed.vm
+    await old.detach()  # what a server exit does
+    vm = await QemuRuntime().attach(old.workdir)
+    resumed.old_handles.append(old)
+    resumed.vm = vm
+    info = await vm.snapshot(snap_dir / "after-attach")
+    m = snapshots.read_manifest(snap_dir / "after-attach")
+    assert m.parent is not None and m.layers[:-1] == snapshots.read_manifest(m.parent).layers
+    assert info.memory_bytes < GUEST_RAM // 4
+    counter_advances(resumed, counter(resumed))
+
+
+async def test_a_chain_deeper_than_the_limit_is_compacted_and_still_restores(
+        origin: Origin, rt_settings, slot_pool, snap_dir) -> None:
+    runtime = QemuRuntime(max_chain=2)
+    guest = await restore_guest(VM_PREFIX + "s4", origin.snapshot, rt_settings, slot_pool,
+                                origin.token, runtime)
+    depths, compacted = [], []
+    try:
+        for i in range(4):
+            sbx = guest.sandbox()
+            sbx.files.write(f"/home/user/gen{i}", f"generation {i}\n")
+            sbx.commands.run(f"head -c 1048576 /dev/urandom > /dev/shm/gen{i}", user="root")
+            directory = snap_dir / f"chain{i}"
+            info = await guest.vm.snapshot(directory, stop=True)
+            await destroy_guest(guest, slot_pool)
+            m = snapshots.read_manifest(directory)
+            depths.append((m.diff_depth, len(m.drive("rootfs").chain)))
+            compacted.append(info.compacted)
+            guest = await restore_guest(VM_PREFIX + f"s4-{i}", directory, rt_settings,
+                                        slot_pool, origin.token, runtime)
+        assert all(mem <= 2 and disk + 1 <= 2 for mem, disk in depths), depths
+        assert any(compacted), depths
+        sbx = guest.sandbox()
+        for i in range(4):
+            assert sbx.files.read(f"/home/user/gen{i}") == f"generation {i}\n"
+            assert sbx.commands.run(f"wc -c < /dev/shm/gen{i}").stdout.strip() == "1048576"
+        counter_advances(guest, counter(guest))
+    finally:
+        await destroy_guest(guest, slot_pool)
+
+
+async def test_a_full_snapshot_depends_on_no_other_snapshot(
+        resumed: Guest, origin: Origin, rt_settings, slot_pool, snap_dir) -> None:
+    info = await resumed.vm.snapshot(snap_dir / "full", incremental=False)
+    assert info.memory_layers == 1 and info.compacted
+    assert snapshots.dependencies(snap_dir / "full") == set()
+    assert snapshots.read_manifest(snap_dir / "full").drive("rootfs").chain == ()
+    (child,) = await fork(snap_dir / "full", ["s5"], origin.token, rt_settings, slot_pool)
+    try:
+        assert child.sandbox().files.read(BEFORE) == "written before the pause\n"
+        counter_advances(child, counter(child))
+    finally:
+        await destroy_guest(child, slot_pool)
