@@ -74,6 +74,11 @@ class Settings:
         return self.artifacts / "images"
 
     @cached_property
+    def snapshots_dir(self) -> Path:
+        """VM snapshots (pauses, persistent snapshots, fork captures, templates): state."""
+        return self.home / "snapshots"
+
+    @cached_property
     def layers_dir(self) -> Path:
         """Read-only layers committed by template builds (state: they back templates)."""
         return self.home / "layers"

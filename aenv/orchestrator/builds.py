@@ -24,7 +24,7 @@ from typing import Any
 from ..client.envd import ENVD_PORT, EnvdClient
 from ..store import BuildRecord, SandboxRecord, TemplateRecord, TemplateStore
 from .errors import Conflict, InvalidRequest, TemplateNotFound
-from .ids import new_id, new_token
+from .ids import new_id, new_snapshot_ref, new_token
 from .machine import Machines
 
 log = logging.getLogger("aenv.builds")
@@ -188,7 +188,8 @@ class Builder:
                 # Templates are snapshots: creating from one restores it, start command
                 # and all, instead of booting.
                 self._log(build_id, "snapshotting the template VM", step="finalize")
-                image = await self.machines.pause(vm, True)
+                image = new_snapshot_ref()
+                await self.machines.pause(vm, True, image)
             else:
                 self._log(build_id, "committing the root filesystem", step="finalize")
                 image = await self.machines.commit(vm, template_id)

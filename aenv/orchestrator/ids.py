@@ -22,3 +22,8 @@ def new_token() -> str:
 
 def is_valid_id(value: str) -> bool:
     return 0 < len(value) <= 64 and all(c in _ALPHABET for c in value)
+
+
+def new_snapshot_ref() -> str:
+    """``snapshot:<id>``: the name of a snapshot in the node's snapshot store."""
+    return "snapshot:" + new_id()

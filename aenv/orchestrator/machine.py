@@ -52,16 +52,17 @@ class Machines(Protocol):
         """After a server restart: adopt the VM still running for ``rec``. False when it
         is gone or unusable (the caller then stops it and reports it lost)."""
 
-    async def pause(self, rec: SandboxRecord, memory: bool) -> str:
-        """Snapshot the sandbox to disk, stop its VM, release its slot; returns the id of
-        the snapshot it can resume from. Raises ``Unsupported`` where not available."""
+    async def pause(self, rec: SandboxRecord, memory: bool, ref: str) -> None:
+        """Save the sandbox as snapshot ``ref`` — memory, devices and disk, or with
+        ``memory`` false the disk alone (resuming it boots) — then stop its VM and release
+        its slot. Resuming is ``start`` with a template whose image is ``ref``."""
 
-    async def resume(self, rec: SandboxRecord) -> Placement:
-        """Restore a paused sandbox from ``rec.snapshot_id`` into a free slot."""
+    async def snapshot(self, rec: SandboxRecord, ref: str) -> None:
+        """Capture the running sandbox as ``ref`` (vCPUs frozen only for the capture; it
+        runs on, and from now on its disk reads through the snapshot's)."""
 
-    async def snapshot(self, rec: SandboxRecord) -> str:
-        """Capture the running sandbox (vCPUs frozen only for the capture; it runs on) and
-        return the snapshot's reference, restorable any number of times."""
+    def has_snapshot(self, ref: str) -> bool:
+        """Whether ``ref`` is a complete snapshot here (an interrupted pause leaves none)."""
 
     async def collect(self, roots: set[str]) -> int:
         """Delete every snapshot that neither is in ``roots`` nor is depended on by one

@@ -20,15 +20,15 @@ from ..client.envd import ENVD_PORT, EnvdClient
 from ..config import Settings
 from ..guest.bootargs import guest_boot_args
 from ..network import EgressPolicy, NetworkSlot, SlotPool, cleanup_leftovers
-from ..runtime import VM, AttachError, Drive, VMSpec, get_runtime
+from ..runtime import VM, AttachError, Drive, RestoreOverrides, VMSpec, get_runtime
 from ..runtime import workdir as wd
-from ..runtime.ready import boot_until_ready
-from ..storage import disk_layers
+from ..runtime.ready import boot_until_ready, wait_for_envd
+from ..storage import disk_layers, snapshot_store
 from ..storage.disks import Disk, create_disk
 from ..storage.images import Image, ensure_base_image
 from ..storage.kernel import Kernel, ensure_kernel
 from ..store import SandboxRecord, TemplateRecord
-from .errors import InvalidRequest, Unsupported
+from .errors import InvalidRequest
 from .machine import Placement
 
 log = logging.getLogger("aenv.node")
@@ -55,7 +55,7 @@ def egress_policy(rec: SandboxRecord) -> EgressPolicy:
 
 
 class NodeMachines:
-    can_pause = False
+    can_pause = True
 
     def __init__(self, settings: Settings, *, kernel_flavor: str = "cloud") -> None:
         self.settings = settings
@@ -65,6 +65,9 @@ class NodeMachines:
         self.kernel: Kernel | None = None
         self.base: Image | None = None
         self._running: dict[str, _Running] = {}
+        # Snapshot writes and garbage collection never overlap (a half-written snapshot
+        # is not yet anyone's root).
+        self._snapshot_lock = asyncio.Lock()
 
     # -- node life ------------------------------------------------------------------------
 
@@ -96,12 +99,81 @@ class NodeMachines:
     # -- one sandbox ----------------------------------------------------------------------
 
     def _image_for(self, template: TemplateRecord) -> Path:
-        if template.image and template.image.startswith("layer:"):
-            return disk_layers.resolve(template.image, self.settings.layers_dir).path
+        """The disk image a cold boot of ``template`` starts from."""
+        image = template.image or ""
+        if image.startswith("layer:"):
+            return disk_layers.resolve(image, self.settings.layers_dir).path
+        if image.startswith(snapshot_store.SNAPSHOT):
+            disk = snapshot_store.disk_snapshot(self._snapshot_dir(image))
+            if disk is None:
+                raise InvalidRequest(f"{image} is a VM snapshot, not a disk")
+            return disk.drive
         assert self.base is not None, "prepare() first"
         return self.base.path
 
+    def _snapshot_dir(self, ref: str) -> Path:
+        return snapshot_store.directory(self.settings.snapshots_dir, ref)
+
+    def has_snapshot(self, ref: str) -> bool:
+        try:
+            return snapshot_store.is_complete(self._snapshot_dir(ref))
+        except snapshot_store.SnapshotMissing:
+            return False
+
     async def start(self, rec: SandboxRecord, template: TemplateRecord) -> Placement:
+        image = template.image or ""
+        if image.startswith(snapshot_store.SNAPSHOT):
+            directory = self._snapshot_dir(image)
+            if not snapshot_store.is_complete(directory):
+                raise InvalidRequest(f"snapshot {image} does not exist on this node")
+            if snapshot_store.disk_snapshot(directory) is None:
+                return await self._restore(rec, template, directory)
+        return await self._boot(rec, template)
+
+    async def _restore(self, rec: SandboxRecord, template: TemplateRecord,
+                       directory: Path) -> Placement:
+        """Restore a VM snapshot into a free slot; processes and memory carry on."""
+        t0 = time.monotonic()
+        slot = await asyncio.to_thread(self.pool.acquire, egress_policy(rec))
+        t_slot = time.monotonic()
+        workdir = self.settings.vms_dir / rec.id
+        vm: VM | None = None
+        try:
+            vm = await self.runtime.restore(directory, RestoreOverrides(
+                vm_id=rec.id, workdir=workdir, netns=slot.netns))
+            t_vm = time.monotonic()
+            url = f"http://{slot.host_ip}:{ENVD_PORT}"
+            await wait_for_envd(url, ENVD_READY_TIMEOUT_S, vm=vm)
+            t_envd = time.monotonic()
+            envd = EnvdClient(url)
+            try:
+                # The clock is as old as the snapshot and the RNG state is shared with every
+                # other restore of it: /init fixes both, and hands over this sandbox's token.
+                await envd.init(access_token=rec.envd_token, env_vars=rec.env_vars,
+                                default_user=template.user or "user",
+                                default_workdir=template.workdir,
+                                current_token=template.envd_token, entropy=os.urandom(64))
+            finally:
+                await envd.aclose()
+        except BaseException:
+            if vm is not None:
+                await vm.stop()
+            await asyncio.to_thread(wd.remove, workdir)
+            await asyncio.to_thread(self._release, slot)
+            raise
+        self._running[rec.id] = _Running(vm, slot, None)
+        timing = {"slot": t_slot - t0, "restore": t_vm - t_slot, "envd": t_envd - t_vm,
+                  "envd_init": time.monotonic() - t_envd}
+        log.info("sandbox %s: restored from %s into slot %d, %s", rec.id, directory.name,
+                 slot.index, " ".join(f"{k}={v * 1000:.0f}ms" for k, v in timing.items()),
+                 extra={"sandbox_id": rec.id, "op": "restore",
+                        "duration": time.monotonic() - t0})
+        return Placement(vm_dir=str(workdir), vm_pid=vm.pid, slot=slot.index,
+                         host_ip=slot.host_ip, runtime=self.runtime.name, phases=timing,
+                         restored_from=template.image)
+
+    async def _boot(self, rec: SandboxRecord, template: TemplateRecord) -> Placement:
+        """Cold boot of ``template``'s disk image."""
         assert self.kernel is not None, "prepare() first"
         t0 = time.monotonic()
         policy = egress_policy(rec)
@@ -149,8 +221,12 @@ class NodeMachines:
         log.info("sandbox %s: slot %d, disk %s, %s", rec.id, slot.index, disk.method,
                  " ".join(f"{k}={v * 1000:.0f}ms" for k, v in timing.items()),
                  extra={"sandbox_id": rec.id, "op": "create", "duration": time.monotonic() - t0})
+        # A disk made over a snapshot's or layer's file needs that file for its whole life.
+        backing = template.image if template.image and template.image.startswith(
+            (snapshot_store.SNAPSHOT, "layer:")) else None
         return Placement(vm_dir=str(workdir), vm_pid=vm.pid, slot=slot.index,
-                         host_ip=slot.host_ip, runtime=self.runtime.name, phases=timing)
+                         host_ip=slot.host_ip, runtime=self.runtime.name, phases=timing,
+                         restored_from=backing)
 
     async def _start_command(self, envd: EnvdClient, template: TemplateRecord) -> None:
         """Cold-boot path for templates with a start command: run it, wait for ready."""
@@ -195,6 +271,8 @@ class NodeMachines:
             return False
         envd = EnvdClient(f"http://{slot.host_ip}:{ENVD_PORT}")
         try:
+            # A crash in the middle of a snapshot or fork leaves the vCPUs stopped.
+            await vm.resume()
             await envd.wait_healthy(5)
         except Exception:
             await vm.stop()
@@ -216,11 +294,64 @@ class NodeMachines:
         await asyncio.to_thread(wd.remove, Path(rec.vm_dir or running.vm.workdir))
         return layer.ref()
 
-    async def pause(self, rec: SandboxRecord, memory: bool) -> str:
-        raise Unsupported("pausing needs VM snapshots, which this node does not take yet")
+    async def pause(self, rec: SandboxRecord, memory: bool, ref: str) -> None:
+        """Pause to ``ref``: a VM snapshot (``memory``) or the disk alone; either way the VMM
+        ends and the slot is released."""
+        running = self._running.get(rec.id)
+        if running is None:
+            raise InvalidRequest(f"sandbox {rec.id} has no VM on this node")
+        directory = self._snapshot_dir(ref)
+        async with self._snapshot_lock:
+            if memory:
+                info = await running.vm.snapshot(directory, stop=True)
+                log.info("sandbox %s: paused to %s (freeze %.0f ms, total %.0f ms, %d KiB "
+                         "memory, %d layers)", rec.id, directory.name, info.freeze_s * 1000,
+                         info.total_s * 1000, info.memory_bytes // 1024, info.memory_layers,
+                         extra={"sandbox_id": rec.id, "op": "pause", "duration": info.total_s})
+            else:
+                await self._sync_guest(rec, running)
+                await running.vm.stop()
+                await asyncio.to_thread(snapshot_store.save_disk, self._disk_of(rec, running),
+                                        directory)
+        self._running.pop(rec.id, None)
+        await asyncio.to_thread(self._release, running.slot)
+        await asyncio.to_thread(wd.remove, Path(rec.vm_dir or running.vm.workdir))
 
-    async def resume(self, rec: SandboxRecord) -> Placement:
-        raise Unsupported("resuming needs VM snapshots, which this node does not take yet")
+    async def snapshot(self, rec: SandboxRecord, ref: str) -> None:
+        running = self._running.get(rec.id)
+        if running is None:
+            raise InvalidRequest(f"sandbox {rec.id} has no VM on this node")
+        async with self._snapshot_lock:
+            info = await running.vm.snapshot(self._snapshot_dir(ref), stop=False)
+        log.info("sandbox %s: snapshot %s (freeze %.0f ms, total %.0f ms)", rec.id,
+                 ref, info.freeze_s * 1000, info.total_s * 1000,
+                 extra={"sandbox_id": rec.id, "op": "snapshot", "duration": info.total_s})
+
+    async def collect(self, roots: set[str]) -> int:
+        async with self._snapshot_lock:
+            removed = await asyncio.to_thread(
+                snapshot_store.collect, self.settings.snapshots_dir, self.settings.layers_dir,
+                roots)
+        return len(removed)
+
+    def _disk_of(self, rec: SandboxRecord, running: _Running) -> Disk:
+        if running.disk is not None:
+            return running.disk
+        workdir = Path(rec.vm_dir or running.vm.workdir)
+        for fmt in ("qcow2", "raw"):
+            path = workdir / f"rootfs.{fmt}"
+            if path.exists():
+                real = path.resolve()
+                return Disk(real, fmt, "qcow2" if fmt == "qcow2" else "reflink", real)
+        raise InvalidRequest(f"sandbox {rec.id}: no root disk in {workdir}")
+
+    async def _sync_guest(self, rec: SandboxRecord, running: _Running) -> None:
+        """Flush the guest's page cache to its disk before the disk is kept."""
+        envd = EnvdClient(f"http://{running.slot.host_ip}:{ENVD_PORT}", rec.envd_token)
+        try:
+            await envd.run("sync", user="root", timeout=60)
+        finally:
+            await envd.aclose()
 
     def logs(self, rec: SandboxRecord, start: int | None, limit: int) -> list[dict]:
         """The VM's serial console, one entry per line (timestamps: the file's mtime)."""

@@ -27,7 +27,7 @@ from .errors import (
     TemplateNotFound,
     Unsupported,
 )
-from .ids import new_id, new_token
+from .ids import new_id, new_snapshot_ref, new_token
 from .machine import Machines, Placement
 from .timing import record_phases
 
@@ -230,10 +230,17 @@ class Orchestrator:
             raise Unsupported("this node cannot snapshot sandboxes")
         if not self.sandboxes.transition(rec.id, ["running"], state):
             raise Conflict(f"sandbox '{rec.id}' changed state")
+        ref = new_snapshot_ref()
+        t0 = self.clock()
         try:
-            return await self.machines.snapshot(rec)
-        finally:
+            await self.machines.snapshot(rec, ref)
+        except Exception:
             self.sandboxes.transition(rec.id, [state], "running")
+            raise
+        record_phases(state, {"total": self.clock() - t0})
+        # The source's disk now reads through the snapshot: it keeps the snapshot alive.
+        self.sandboxes.transition(rec.id, [state], "running", restored_from=ref)
+        return ref
 
     async def fork(self, sandbox_id: str, count: int,
                    timeout: int | None = None) -> list[SandboxRecord | Exception]:
@@ -247,6 +254,7 @@ class Orchestrator:
         async with self._lock(sandbox_id):
             src = self.get(sandbox_id)
             ref = await self._capture(src, "forking")
+            src = self.get(sandbox_id)
         src_tpl = self.templates.get(src.template_id)
         # The children start from the capture; the template is only their family name.
         image = TemplateRecord(
@@ -367,16 +375,23 @@ class Orchestrator:
         return self.get(sandbox_id)
 
     async def _pause_locked(self, rec: SandboxRecord, memory: bool) -> None:
-        if not self.sandboxes.transition(rec.id, ["running"], "pausing"):
+        if not self.machines.can_pause:
+            raise Unsupported("this node cannot pause sandboxes")
+        # The snapshot's name is recorded before it is written, so a restart can tell a
+        # finished pause (complete snapshot) from an interrupted one.
+        ref = new_snapshot_ref()
+        if not self.sandboxes.transition(rec.id, ["running"], "pausing", snapshot_id=ref):
             raise Conflict(f"sandbox '{rec.id}' changed state")
+        t0 = self.clock()
         try:
-            snapshot_id = await self.machines.pause(rec, memory)
+            await self.machines.pause(rec, memory, ref)
         except Exception:
-            self.sandboxes.transition(rec.id, ["pausing"], "running")
+            self.sandboxes.transition(rec.id, ["pausing"], "running", snapshot_id=None)
             raise
+        record_phases("pause", {"total": self.clock() - t0})
         await self._stopped(rec.id)
         self.sandboxes.transition(
-            rec.id, ["pausing"], "paused", snapshot_id=snapshot_id, restored_from=None,
+            rec.id, ["pausing"], "paused", restored_from=None,
             pause_mode="full" if memory else "filesystem", vm_pid=None, slot=None, host_ip=None,
         )
         await self.collect_garbage()
@@ -384,12 +399,21 @@ class Orchestrator:
     async def _resume_locked(self, rec: SandboxRecord, timeout: int | None) -> None:
         if not self.sandboxes.transition(rec.id, ["paused"], "resuming"):
             raise Conflict(f"sandbox '{rec.id}' changed state")
+        tpl = self.templates.get(rec.template_id)
+        image = TemplateRecord(
+            id=rec.template_id, kind="snapshot", build_id="resume", status="ready",
+            cpu_count=rec.cpu_count, memory_mb=rec.memory_mb, disk_size_mb=rec.disk_size_mb,
+            created_at=rec.started_at, updated_at=rec.started_at, image=rec.snapshot_id,
+            envd_token=rec.envd_token, user=tpl.user if tpl else None,
+            workdir=tpl.workdir if tpl else None, env_vars=rec.env_vars)
+        t0 = self.clock()
         try:
-            placement = await self.machines.resume(rec)
+            placement = await self.machines.start(rec, image)
         except Exception:
             self.sandboxes.transition(rec.id, ["resuming"], "paused")
             raise
         now = self.clock()
+        record_phases("resume", {"total": now - t0, **placement.phases})
         self.sandboxes.transition(
             rec.id, ["resuming"], "running", **_placed(placement), snapshot_id=None,
             end_at=now + (timeout if timeout is not None else DEFAULT_TIMEOUT_S),
@@ -427,24 +451,35 @@ class Orchestrator:
     # -- recovery -------------------------------------------------------------------------
 
     async def recover(self) -> None:
-        """Reconcile the store with what survived a restart: adopt running VMs, finish
-        interrupted kills, report the rest lost. Paused sandboxes need nothing."""
+        """Reconcile the store with what survived a restart: adopt running VMs (also those
+        caught in a snapshot or fork capture), finish interrupted kills, keep interrupted
+        pauses whose snapshot is complete, report the rest lost."""
         for rec in self.sandboxes.live():
             if rec.state == "paused":
                 continue
-            if rec.state == "running" and await self.machines.reattach(rec):
-                log.info("sandbox %s: re-attached after restart", rec.id)
+            if rec.state == "pausing" and rec.snapshot_id and \
+                    self.machines.has_snapshot(rec.snapshot_id):
+                await self.machines.stop(rec)
+                self.sandboxes.transition(rec.id, ["pausing"], "paused", vm_pid=None,
+                                          slot=None, host_ip=None, restored_from=None)
+                log.info("sandbox %s: its pause finished before the restart", rec.id)
+                continue
+            if rec.state in ("running", "snapshotting", "forking", "pausing") and \
+                    await self.machines.reattach(rec):
+                self.sandboxes.transition(rec.id, [rec.state], "running", snapshot_id=None)
+                log.info("sandbox %s: re-attached after restart (was %s)", rec.id, rec.state)
                 continue
             await self.machines.stop(rec)
             if rec.state == "killing":
                 self._end(rec.id, "killed", "killed")
-            elif rec.state in ("pausing", "resuming") and rec.snapshot_id:
-                # The snapshot it paused to, or resumed from, is intact: back to paused.
-                self.sandboxes.transition(rec.id, [rec.state], "paused", vm_pid=None,
+            elif rec.state == "resuming" and rec.snapshot_id:
+                # The snapshot it was resuming from is intact: back to paused.
+                self.sandboxes.transition(rec.id, ["resuming"], "paused", vm_pid=None,
                                           slot=None, host_ip=None)
             else:
                 self._end(rec.id, "lost", f"VM gone after server restart (was {rec.state})")
                 log.warning("sandbox %s: lost after restart (was %s)", rec.id, rec.state)
+        await self.collect_garbage()
 
     def _end(self, sandbox_id: str, state: str, reason: str) -> None:
         rec = self.sandboxes.get(sandbox_id, live_only=False)

@@ -70,14 +70,14 @@ class ProcessMachines:
         proc = self.procs.get(rec.id)
         return proc is not None and proc.poll() is None
 
-    async def pause(self, rec: SandboxRecord, memory: bool) -> str:
+    async def pause(self, rec: SandboxRecord, memory: bool, ref: str) -> None:
         raise Unsupported("host-process sandboxes cannot pause")
 
-    async def resume(self, rec: SandboxRecord) -> Placement:
-        raise Unsupported("host-process sandboxes cannot resume")
-
-    async def snapshot(self, rec: SandboxRecord) -> str:
+    async def snapshot(self, rec: SandboxRecord, ref: str) -> None:
         raise Unsupported("host-process sandboxes cannot be snapshotted")
+
+    def has_snapshot(self, ref: str) -> bool:
+        return False
 
     async def collect(self, roots: set[str]) -> int:
         return 0

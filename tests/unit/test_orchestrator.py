@@ -34,6 +34,7 @@ class FakeMachines:
         self.snapshots: list[str] = []
         self.gc_roots: list[set[str]] = []
         self.restored: list[tuple[str, str | None]] = []
+        self.saved: set[str] = set()
 
     async def prepare(self, keep_slots, keep_vms) -> None:
         pass
@@ -45,6 +46,8 @@ class FakeMachines:
         await asyncio.sleep(self.delay)
         if self.fail:
             raise RuntimeError("boom")
+        if template.image in self.saved:
+            self.resumed.append(rec.id)
         self.started.append(rec.id)
         self.alive.add(rec.id)
         self.restored.append((rec.id, template.image))
@@ -59,23 +62,19 @@ class FakeMachines:
     async def reattach(self, rec) -> bool:
         return rec.id in self.alive
 
-    async def pause(self, rec, memory) -> str:
+    async def pause(self, rec, memory, ref) -> None:
         await asyncio.sleep(self.delay)
         self.paused.append(rec.id)
+        self.saved.add(ref)
         self.alive.discard(rec.id)
-        return f"snap-{rec.id}"
 
-    async def resume(self, rec) -> Placement:
-        await asyncio.sleep(self.delay)
-        self.resumed.append(rec.id)
-        self.alive.add(rec.id)
-        return Placement(vm_dir=f"/vms/{rec.id}", vm_pid=200, slot=9, host_ip="10.11.0.9",
-                         runtime="fake")
+    def has_snapshot(self, ref) -> bool:
+        return ref in self.saved
 
-    async def snapshot(self, rec) -> str:
+    async def snapshot(self, rec, ref) -> None:
         await asyncio.sleep(self.delay)
         self.snapshots.append(rec.id)
-        return f"snapshot:{rec.id}-{len(self.snapshots)}"
+        self.saved.add(ref)
 
     async def collect(self, roots) -> int:
         self.gc_roots.append(set(roots))
@@ -227,10 +226,11 @@ async def test_fork_restores_count_children_from_one_capture(world) -> None:
     assert len(ids) == 4 and src.id not in ids
     assert len({c.envd_token for c in children} | {src.envd_token}) == 5
     assert all(c.metadata == {"k": "v"} and c.state == "running" for c in children)
-    assert {img for sid, img in m.restored if sid in ids} == {f"snapshot:{src.id}-1"}
+    (capture,) = m.saved
+    assert {img for sid, img in m.restored if sid in ids} == {capture}
     again = orch.get(src.id)
     assert again.state == "running" and again.end_at == src.end_at
-    assert f"snapshot:{src.id}-1" in m.gc_roots[-1]  # the children keep the capture alive
+    assert capture in m.gc_roots[-1]  # the source and children keep the capture alive
 
 
 async def test_fork_reports_each_child_on_its_own(world) -> None:
@@ -278,3 +278,21 @@ async def test_snapshot_is_a_template_that_outlives_its_source(world) -> None:
     assert snap.image in m.gc_roots[-1]  # the child still runs from it
     await orch.kill(child.id)
     assert snap.image not in m.gc_roots[-1]
+
+
+async def test_an_interrupted_pause_with_a_complete_snapshot_recovers_as_paused(world) -> None:
+    orch, m = world
+    rec = await orch.create(CreateOptions(template="base"))
+    orch.sandboxes.transition(rec.id, ["running"], "pausing", snapshot_id="snapshot:x")
+    m.saved.add("snapshot:x")
+    await orch.recover()
+    assert orch.get(rec.id).state == "paused"
+
+
+async def test_an_interrupted_pause_without_a_snapshot_goes_back_to_running(world) -> None:
+    orch, m = world
+    rec = await orch.create(CreateOptions(template="base"))
+    orch.sandboxes.transition(rec.id, ["running"], "pausing", snapshot_id="snapshot:half")
+    await orch.recover()
+    got = orch.get(rec.id)
+    assert got.state == "running" and got.snapshot_id is None

@@ -1,0 +1,166 @@
+"""The node's local snapshot store: where snapshots live, how the store names them, what
+depends on what, and garbage collection by reachability.
+
+A reference ``snapshot:<id>`` names ``snapshots_dir/<id>``: either a VM snapshot written by
+a runtime driver (``aenv.storage.snapshots`` layout, complete once its manifest exists) or
+a *disk-only* snapshot of a filesystem pause (``disk.json`` + the drive file; resuming it
+boots). ``layer:<id>`` names a committed template layer (``disk_layers``). Snapshots and
+layers reference their parents by absolute path (memory layers, qcow2 backing chains), so
+one is deleted only when no root reaches it; roots are what the store of record still uses
+(templates, paused sandboxes, what running sandboxes were restored from). Directories being
+written are ``.<id>.partial-*``; a crash leaves them behind and collection removes them —
+the caller serialises collection with snapshot writes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import disk_layers, snapshots
+from .disks import Disk
+from .errors import StorageError
+
+log = logging.getLogger("aenv.snapshots")
+
+SNAPSHOT = "snapshot:"
+DISK_MANIFEST = "disk.json"
+
+
+class SnapshotMissing(StorageError):
+    """A reference names no complete snapshot."""
+
+
+@dataclass(frozen=True)
+class DiskSnapshot:
+    """A filesystem-only pause: the root disk, to be booted again."""
+
+    directory: Path
+    drive: Path
+    format: str
+
+
+def ref(snapshot_id: str) -> str:
+    return SNAPSHOT + snapshot_id
+
+
+def directory(root: Path, reference: str) -> Path:
+    if not reference.startswith(SNAPSHOT):
+        raise SnapshotMissing(f"not a snapshot reference: {reference!r}")
+    name = reference.removeprefix(SNAPSHOT)
+    if not name or "/" in name or name.startswith("."):
+        raise SnapshotMissing(f"bad snapshot reference: {reference!r}")
+    return root / name
+
+
+def is_complete(path: Path) -> bool:
+    return (path / snapshots.MANIFEST).is_file() or (path / DISK_MANIFEST).is_file()
+
+
+def disk_snapshot(path: Path) -> DiskSnapshot | None:
+    """The disk-only snapshot at ``path``, or None when it is a VM snapshot."""
+    try:
+        meta = json.loads((path / DISK_MANIFEST).read_text())
+    except FileNotFoundError:
+        return None
+    return DiskSnapshot(path, path / meta["drive"], meta["format"])
+
+
+def save_disk(disk: Disk, path: Path) -> DiskSnapshot:
+    """Move a stopped VM's disk into a new disk-only snapshot at ``path`` (atomic)."""
+    staging = snapshots.begin(path)
+    try:
+        name = f"rootfs.{disk.format}"
+        os.replace(disk.path, staging / name)
+        os.chmod(staging / name, 0o444)
+        (staging / DISK_MANIFEST).write_text(json.dumps({"drive": name, "format": disk.format}))
+        os.rename(staging, path)
+    except BaseException:
+        snapshots.abort(staging)
+        raise
+    return DiskSnapshot(path, path / name, disk.format)
+
+
+def _backing_chain(image: Path) -> list[Path]:
+    """Files an image reads through (qcow2 backing files), nearest first."""
+    if image.suffix != ".qcow2":
+        return []
+    out = subprocess.run(["qemu-img", "info", "--backing-chain", "--output=json", "-U",
+                          str(image)], capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        return []
+    return [Path(i["filename"]) for i in json.loads(out.stdout)[1:]]
+
+
+def dependencies(path: Path, snapshots_root: Path, layers_root: Path) -> set[Path]:
+    """Snapshot directories and layer files that the snapshot directory or layer file at
+    ``path`` reads from."""
+    files: set[Path] = set()
+    if path.is_dir():
+        disk = disk_snapshot(path)
+        if disk is None:
+            try:
+                m = snapshots.read_manifest(path)
+            except StorageError:
+                return set()
+            files = {la.directory / snapshots.MEMORY for la in m.layers}
+            for d in m.drives:
+                files.update(d.chain)
+                if d.root is not None:
+                    files.add(d.root)
+        else:
+            files = set(_backing_chain(disk.drive))
+    else:
+        files = set(_backing_chain(path))
+    out = set()
+    for f in files:
+        if f.parent == snapshots_root or f.parent.parent == snapshots_root:
+            d = f if f.parent == snapshots_root else f.parent
+            if d != path:
+                out.add(d)
+        elif f.parent == layers_root:
+            out.add(f)
+    return out
+
+
+def collect(snapshots_root: Path, layers_root: Path, roots: Iterable[str]) -> list[Path]:
+    """Delete every snapshot and layer no root reaches; returns what was deleted."""
+    keep: set[Path] = set()
+    todo: list[Path] = []
+    for r in roots:
+        try:
+            if r.startswith(SNAPSHOT):
+                todo.append(directory(snapshots_root, r))
+            elif r.startswith("layer:"):
+                todo.append(disk_layers.resolve(r, layers_root).path)
+        except (SnapshotMissing, StorageError):
+            continue
+    while todo:
+        p = todo.pop()
+        if p in keep:
+            continue
+        keep.add(p)
+        todo.extend(dependencies(p, snapshots_root, layers_root))
+    removed = []
+    if snapshots_root.is_dir():
+        for entry in snapshots_root.iterdir():
+            if entry not in keep:
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(entry)
+    if layers_root.is_dir():
+        for entry in layers_root.iterdir():
+            layer = entry.with_suffix(".qcow2") if entry.suffix == ".json" else entry
+            raw = entry.with_suffix(".raw") if entry.suffix == ".json" else entry
+            if layer in keep or raw in keep:
+                continue
+            entry.unlink(missing_ok=True)
+            removed.append(entry)
+    if removed:
+        log.info("removed %d unused snapshots/layers", len(removed))
+    return removed
