@@ -1,0 +1,145 @@
+"""Pause/resume, fork and persistent snapshots through the real SDK on microVMs."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import pytest
+from e2b import Sandbox
+
+pytestmark = [pytest.mark.vm, pytest.mark.net]
+
+COUNTER = ("nohup bash -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; "
+           "sleep 0.1; done' >/dev/null 2>&1 &")
+
+
+def _files_digest(sbx: Sandbox) -> str:
+    return sbx.commands.run("cd /home/user/data && sha256sum * | sha256sum").stdout
+
+
+def test_twenty_pause_resume_cycles_keep_processes_files_and_clock(sdk) -> None:
+    sbx = Sandbox.create("base", timeout=600)
+    try:
+        sbx.commands.run(COUNTER)
+        sbx.commands.run("mkdir -p /home/user/data && for i in 1 2 3 4 5; do "
+                         "head -c 65536 /dev/urandom > /home/user/data/f$i; done")
+        digest = _files_digest(sbx)
+        boot_id = sbx.commands.run("cat /proc/sys/kernel/random/boot_id").stdout
+        last = int(sbx.commands.run("cat /tmp/counter").stdout)
+        for cycle in range(20):
+            assert sbx.pause()
+            assert not sbx.is_running()
+            sbx = Sandbox.connect(sbx.sandbox_id)
+            now = int(sbx.commands.run("cat /tmp/counter").stdout)
+            assert now >= last, f"cycle {cycle}: counter went back from {last} to {now}"
+            last = now
+            assert _files_digest(sbx) == digest
+            guest = float(sbx.commands.run("date +%s.%N").stdout)
+            skew = guest - time.time()
+            assert abs(skew) < 1.0, f"cycle {cycle}: clock off by {skew:.2f}s"
+        time.sleep(0.5)
+        assert int(sbx.commands.run("cat /tmp/counter").stdout) > last  # it still counts
+        assert sbx.commands.run("cat /proc/sys/kernel/random/boot_id").stdout == boot_id
+    finally:
+        sbx.kill()
+
+
+def test_filesystem_pause_keeps_files_but_boots_again(sdk) -> None:
+    sbx = Sandbox.create("base")
+    try:
+        sbx.files.write("/home/user/kept.txt", "on disk")
+        boot_id = sbx.commands.run("cat /proc/sys/kernel/random/boot_id").stdout
+        sbx.pause(mode="filesystem")
+        sbx = Sandbox.connect(sbx.sandbox_id)
+        assert sbx.files.read("/home/user/kept.txt") == "on disk"
+        assert sbx.commands.run("cat /proc/sys/kernel/random/boot_id").stdout != boot_id
+    finally:
+        sbx.kill()
+
+
+def test_fork_sixteen_children_that_share_the_past_but_not_the_future(sdk) -> None:
+    parent = Sandbox.create("base", timeout=600)
+    children: list[Sandbox] = []
+    try:
+        parent.commands.run(COUNTER)
+        parent.files.write("/home/user/uncommitted.txt", "parent state")
+        results = parent.fork(count=16)
+        children = [c for c in results if isinstance(c, Sandbox)]
+        assert len(children) == 16, [r for r in results if not isinstance(r, Sandbox)]
+        assert len({c.sandbox_id for c in children} | {parent.sandbox_id}) == 17
+
+        def check(i: int, c: Sandbox) -> int:
+            assert c.files.read("/home/user/uncommitted.txt") == "parent state"
+            c.files.write("/home/user/marker", f"child-{i}")
+            return int(c.commands.run("cat /tmp/counter").stdout)
+
+        with concurrent.futures.ThreadPoolExecutor(17) as pool:
+            counters = list(pool.map(check, range(16), children))
+            assert all(n > 0 for n in counters)
+            runs = list(pool.map(lambda s: s.commands.run("echo alive").stdout,
+                                 [parent, *children]))
+        assert runs == ["alive\n"] * 17
+        for i, c in enumerate(children):
+            assert c.commands.run("cat /home/user/marker").stdout == f"child-{i}"
+        assert not parent.files.exists("/home/user/marker")
+        assert parent.is_running()
+    finally:
+        for c in children:
+            c.kill()
+        parent.kill()
+
+
+def test_persistent_snapshot_outlives_its_source_and_forks_form_a_tree(sdk) -> None:
+    src = Sandbox.create("base")
+    made: list[Sandbox] = []
+    snaps = []
+    try:
+        src.files.write("/home/user/level", "0")
+        snap = src.create_snapshot()
+        snaps.append(snap.snapshot_id)
+        assert src.is_running()
+        src.kill()
+        a, b = Sandbox.create(snap.snapshot_id), Sandbox.create(snap.snapshot_id)
+        made += [a, b]
+        assert a.files.read("/home/user/level") == b.files.read("/home/user/level") == "0"
+        a.files.write("/home/user/level", "a")
+        assert b.files.read("/home/user/level") == "0"
+
+        (child,) = a.fork(count=1)
+        made.append(child)
+        child.files.write("/home/user/level", "child")
+        snap2 = child.create_snapshot()
+        snaps.append(snap2.snapshot_id)
+        from_snap2 = Sandbox.create(snap2.snapshot_id)
+        made.append(from_snap2)
+        grandkids = from_snap2.fork(count=2)
+        made += grandkids
+        assert [g.files.read("/home/user/level") for g in grandkids] == ["child", "child"]
+        listed = [s.snapshot_id for s in Sandbox.list_snapshots().next_items()]
+        assert set(snaps) <= set(listed)
+    finally:
+        for s in made:
+            s.kill()
+        for sid in snaps:
+            Sandbox.delete_snapshot(sid)
+
+
+def test_snapshot_files_are_freed_once_nothing_depends_on_them(sdk) -> None:
+    snapshots_dir = sdk.settings.snapshots_dir
+
+    def on_disk() -> set[str]:
+        return {p.name for p in snapshots_dir.iterdir()} if snapshots_dir.is_dir() else set()
+
+    before = on_disk()
+    src = Sandbox.create("base")
+    snap = src.create_snapshot()
+    kept = on_disk() - before
+    assert kept
+    child = Sandbox.create(snap.snapshot_id)
+    src.kill()
+    assert Sandbox.delete_snapshot(snap.snapshot_id)
+    assert on_disk() - before == kept  # the child still runs from it
+    assert child.commands.run("echo still").stdout == "still\n"
+    child.kill()
+    assert on_disk() - before == set()
