@@ -252,9 +252,26 @@ class NodeMachines:
         if running is not None:
             await running.vm.stop()
             await asyncio.to_thread(self._release, running.slot)
+        elif rec.slot is not None and rec.slot not in self.in_use():
+            await self._stop_orphan(rec)
         if rec.vm_dir:
             # Unlinking a guest-RAM file of hundreds of MiB takes tens of ms: not on the loop.
             await asyncio.to_thread(wd.remove, Path(rec.vm_dir))
+
+    async def _stop_orphan(self, rec: SandboxRecord) -> None:
+        """After a restart: end a VM this server never adopted and free the slot that
+        ``prepare`` kept for it."""
+        if rec.vm_dir:
+            try:
+                vm = await self.runtime.attach(Path(rec.vm_dir))
+                await vm.stop()
+            except AttachError:
+                pass
+        try:
+            slot = await asyncio.to_thread(self.pool.adopt, rec.slot, egress_policy(rec))
+        except Exception:
+            return  # gone already; adopt freed the index
+        await asyncio.to_thread(self._release, slot)
 
     async def reattach(self, rec: SandboxRecord) -> bool:
         if not rec.vm_dir or rec.slot is None:

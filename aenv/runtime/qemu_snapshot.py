@@ -326,16 +326,24 @@ async def _switch_drive(vm: QemuVM, p: _DrivePlan, staging: Path) -> None:
                                                  "format": "qcow2", "mode": "existing"})
 
 
+async def _frozen(vm: QemuVM) -> bool:
+    try:
+        return await vm.status() == "paused"
+    except VMError:
+        return False
+
+
 def _take_drive(p: _DrivePlan, staging: Path) -> None:
-    """After the VMM quit: the top moves into the snapshot."""
+    """Pause, vCPUs stopped (``stop`` flushed the image format's metadata to the file):
+    the top joins the snapshot as a hard link; the VM's own name goes once the VMM has
+    quit after the commit, so a crash in between leaves the VM whole."""
     assert p.top is not None and p.file is not None
     try:
-        os.rename(p.top, staging / p.file)
+        os.link(p.top, staging / p.file)
     except OSError as e:
         if e.errno != errno.EXDEV:
             raise
         snap.copy_sparse(p.top, staging / p.file)
-        p.top.unlink()
 
 
 def _flatten(p: _DrivePlan, staging: Path, *, shared: bool) -> None:
@@ -370,6 +378,7 @@ async def capture(vm: QemuVM, directory: Path, *, stop: bool, incremental: bool,
     if lineage.memory == "private" and parent is None:
         raise SnapshotError(f"{vm.vm_id} was restored but its snapshot is gone", vm_id=vm.vm_id)
     vm_lost = False
+    was_running = False
     try:
         plans = await asyncio.to_thread(_plan_drives, vm.workdir, machine, lineage, parent,
                                         directory, stop=stop, incremental=incremental,
@@ -401,14 +410,15 @@ async def capture(vm: QemuVM, directory: Path, *, stop: bool, incremental: bool,
                 await vm._execute("cont")
             raise
         if stop:
-            vm_lost = True
-            await vm.stop()
-            t_thaw = time.monotonic()
+            # Everything is captured while the VMM still holds the VM, which ends only
+            # after the commit: a crash before then leaves a frozen VM to re-attach and
+            # a partial directory nobody reads.
             if mem is None:
                 mem = await asyncio.to_thread(_capture_shared, vm.workdir, staging)
             for p in plans:
                 if not p.read_only:
                     await asyncio.to_thread(_take_drive, p, staging)
+            t_thaw = time.monotonic()
         else:
             if was_running:
                 await vm._execute("cont")
@@ -417,7 +427,7 @@ async def capture(vm: QemuVM, directory: Path, *, stop: bool, incremental: bool,
         for p in plans:
             if p.flatten:
                 try:
-                    await asyncio.to_thread(_flatten, p, staging, shared=not stop)
+                    await asyncio.to_thread(_flatten, p, staging, shared=True)
                 except StorageError as e:
                     # The VM may already run on an overlay that names this snapshot's
                     # file: keep the snapshot, one layer deeper than the limit.
@@ -438,8 +448,17 @@ async def capture(vm: QemuVM, directory: Path, *, stop: bool, incremental: bool,
             drives=tuple(p.image() for p in plans), parent=lineage.parent,
             sizes=sizes, timings=phases)
         snap.commit(staging, directory, manifest)
+        if stop:
+            vm_lost = True
+            await vm.stop()
+            for p in plans:
+                if not p.read_only and p.top is not None:
+                    p.top.unlink(missing_ok=True)
     except BaseException as e:
         snap.abort(staging)
+        if stop and was_running and not vm_lost and vm.is_alive() and await _frozen(vm):
+            # A pause that failed before its commit gives the VM back as it was.
+            await vm._execute("cont")
         if isinstance(e, (StorageError, OSError)):
             raise SnapshotError(f"snapshot of {vm.vm_id} failed: {e}", vm_id=vm.vm_id,
                                 vm_lost=vm_lost) from e
