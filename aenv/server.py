@@ -38,6 +38,8 @@ class ServerOptions:
     default_cpu: int = 1
     default_memory_mb: int = 512
     default_disk_mb: int = 2048
+    # Snapshot the built-in template at start-up (off: every create from it cold boots).
+    snapshot_base: bool = True
 
 
 class Server:
@@ -81,6 +83,10 @@ class Server:
         self._builtin_templates()
         self.builder.recover()
         await self.orchestrator.start()
+        key = self.machines.image_key()
+        if key and self.options.snapshot_base:
+            # base is a snapshot too: creates restore it (~0.1 s) instead of booting (~5 s).
+            await self.orchestrator.snapshot_template("base", key)
         await self.metrics.start()
         log.info("aenv server ready; API key in %s", self.api_key_file or "$AENV_API_KEY")
 

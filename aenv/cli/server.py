@@ -21,6 +21,9 @@ def server(
     max_sandboxes: int = typer.Option(64, envvar="AENV_MAX_SANDBOXES"),
     max_starting: int = typer.Option(8, envvar="AENV_MAX_STARTING"),
     log_level: str = typer.Option("info", envvar="AENV_LOG_LEVEL"),
+    snapshot_base: bool = typer.Option(
+        True, "--snapshot-base/--no-snapshot-base", envvar="AENV_SNAPSHOT_BASE",
+        help="keep 'base' as a snapshot so creates restore instead of booting"),
 ) -> None:
     """Serve the E2B-compatible API and sandbox traffic on one listener."""
     import uvicorn
@@ -40,7 +43,8 @@ def server(
         logging.getLogger(noisy).setLevel(logging.WARNING)
     settings = Settings.from_env()
     srv = Server(settings, NodeMachines(settings), ServerOptions(
-        domain=domain, limits=Limits(max_sandboxes=max_sandboxes, max_starting=max_starting)))
+        domain=domain, limits=Limits(max_sandboxes=max_sandboxes, max_starting=max_starting),
+        snapshot_base=snapshot_base))
     logging.getLogger("aenv.server").info(
         "data in %s; API key %s; listening on http://%s:%d", settings.home,
         srv.api_key_file or "from AENV_API_KEY", host, port)

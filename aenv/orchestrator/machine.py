@@ -32,6 +32,9 @@ class Machines(Protocol):
     #: Whether ``pause``/``resume`` work on this node (TTL expiry kills otherwise).
     can_pause: bool
 
+    def image_key(self) -> str | None:
+        """What the node's base image is made of (its digest); None when there is none."""
+
     async def prepare(self, keep_slots: set[int], keep_vms: set[str]) -> None:
         """Get the node ready before recovery: host resources, leftovers of a crashed run
         removed except what sandboxes that may be re-attached still use."""

@@ -85,6 +85,9 @@ class NodeMachines:
                 wd.remove(d)
         await asyncio.to_thread(self.pool.start, keep_slots)
 
+    def image_key(self) -> str | None:
+        return f"base-{self.base.digest[:16]}" if self.base else None
+
     async def close(self) -> None:
         """Stop watching; running VMs keep running (a restart re-attaches them)."""
         for r in self._running.values():

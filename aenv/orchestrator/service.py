@@ -11,6 +11,7 @@ to one paused sandbox resume it once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -285,6 +286,36 @@ class Orchestrator:
             out.append(result if isinstance(result, Exception) else self.get(child.id))
         await self.collect_garbage()
         return out
+
+    async def snapshot_template(self, template_id: str, key: str) -> None:
+        """Boot ``template_id``'s image once and keep the running VM as its snapshot, so
+        that creating from it restores instead of booting. ``key`` names what the snapshot
+        was made from (e.g. the base image's digest): a snapshot of another key is made
+        again."""
+        tpl = self.templates.get(template_id)
+        if tpl is None or not self.machines.can_pause:
+            return
+        if tpl.image and tpl.build_id == key and self.machines.has_snapshot(tpl.image):
+            return
+        now = self.clock()
+        rec = SandboxRecord(
+            id=new_id(), template_id=tpl.id, state="building", client_id="aenv-template",
+            started_at=now, end_at=now + 600, cpu_count=tpl.cpu_count,
+            memory_mb=tpl.memory_mb, disk_size_mb=tpl.disk_size_mb, env_vars=tpl.env_vars,
+            envd_token=new_token())
+        log.info("template %s: booting it once to snapshot it", tpl.id)
+        t0 = self.clock()
+        placement = await self.machines.start(rec, dataclasses.replace(tpl, image=None))
+        rec.vm_dir, rec.slot, rec.host_ip = placement.vm_dir, placement.slot, placement.host_ip
+        ref = new_snapshot_ref()
+        try:
+            await self.machines.pause(rec, True, ref)
+        except Exception:
+            await self.machines.stop(rec)
+            raise
+        self.templates.update(tpl.id, image=ref, build_id=key, envd_token=rec.envd_token)
+        log.info("template %s: snapshot %s ready in %.1f s", tpl.id, ref, self.clock() - t0)
+        await self.collect_garbage()
 
     def delete_template(self, template_id: str) -> None:
         """Forget a template or snapshot; its files go once nothing uses them."""

@@ -25,6 +25,9 @@ class ProcessMachines:
         self._next = 2
         self.fail_next_start = False
 
+    def image_key(self) -> str | None:
+        return None
+
     async def prepare(self, keep_slots: set[int], keep_vms: set[str]) -> None:
         pass
 

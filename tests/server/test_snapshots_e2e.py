@@ -10,8 +10,9 @@ from e2b import Sandbox
 
 pytestmark = [pytest.mark.vm, pytest.mark.net]
 
-COUNTER = ("nohup bash -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; "
-           "sleep 0.1; done' >/dev/null 2>&1 &")
+# The counter file is replaced atomically, so a reader never sees it half-written.
+COUNTER = ("nohup bash -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter.new; "
+           "mv /tmp/counter.new /tmp/counter; sleep 0.1; done' >/dev/null 2>&1 &")
 
 
 def _files_digest(sbx: Sandbox) -> str:

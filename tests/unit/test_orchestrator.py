@@ -36,6 +36,9 @@ class FakeMachines:
         self.restored: list[tuple[str, str | None]] = []
         self.saved: set[str] = set()
 
+    def image_key(self) -> str | None:
+        return "key-1"
+
     async def prepare(self, keep_slots, keep_vms) -> None:
         pass
 
@@ -296,3 +299,16 @@ async def test_an_interrupted_pause_without_a_snapshot_goes_back_to_running(worl
     await orch.recover()
     got = orch.get(rec.id)
     assert got.state == "running" and got.snapshot_id is None
+
+
+async def test_a_template_is_snapshotted_once_per_image_key(world) -> None:
+    orch, m = world
+    await orch.snapshot_template("base", "key-1")
+    tpl = orch.templates.get("base")
+    assert tpl.image in m.saved and tpl.envd_token
+    await orch.snapshot_template("base", "key-1")
+    assert len(m.paused) == 1
+    await orch.snapshot_template("base", "key-2")
+    assert len(m.paused) == 2
+    child = await orch.create(CreateOptions(template="base"))
+    assert child.restored_from == orch.templates.get("base").image
