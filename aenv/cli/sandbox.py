@@ -165,6 +165,47 @@ def resume(
     Console(stderr=True).print("resumed" if resumed else "already running")
 
 
+@app.command()
+def fork(
+    sandbox_id: str = typer.Argument(..., metavar="ID"),
+    count: int = typer.Option(1, "--count", "-n", min=1, help="How many children."),
+    timeout: int | None = typer.Option(None, "--timeout", min=0,
+                                       help="Children's TTL in seconds (default: the source's)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the API's answer as JSON."),
+    url: str | None = UrlOption,
+) -> None:
+    """Fork a running sandbox into COUNT children that start from its current state."""
+    with session(url) as api:
+        results = api.fork_sandbox(sandbox_id, count, timeout)
+    if json_out:
+        typer.echo(json.dumps(results))
+    failed = 0
+    for r in results:
+        if "sandbox" in r:
+            if not json_out:
+                typer.echo(r["sandbox"]["sandboxID"])
+        else:
+            failed += 1
+            err = r.get("error") or {}
+            Console(stderr=True).print(f"[red]child failed:[/] {err.get('code')} "
+                                       f"{err.get('message')}")
+    if failed:
+        raise typer.Exit(1)
+
+
+@app.command()
+def snapshot(
+    sandbox_id: str = typer.Argument(..., metavar="ID"),
+    name: str | None = typer.Option(None, "--name", help="A name to create sandboxes from."),
+    url: str | None = UrlOption,
+) -> None:
+    """Take a persistent snapshot of a running sandbox (it keeps running); prints its id,
+    which `aenv sandbox create` accepts as a template."""
+    with session(url) as api:
+        info = api.snapshot_sandbox(sandbox_id, name)
+    typer.echo(info["snapshotID"])
+
+
 def _envd_for(api: ApiClient, sandbox_id: str) -> EnvdClient:
     info = api.get_sandbox(sandbox_id)
     if info.get("state") == "paused":

@@ -131,6 +131,20 @@ class ApiClient:
     def pause_sandbox(self, sandbox_id: str) -> None:
         self._request("POST", f"/sandboxes/{path_param(sandbox_id)}/pause", json={})
 
+    def fork_sandbox(self, sandbox_id: str, count: int,
+                     timeout: int | None = None) -> list[dict[str, Any]]:
+        """One entry per child: ``{"sandbox": {...}}`` or ``{"error": {code, message}}``."""
+        body: dict[str, Any] = {"count": count}
+        if timeout is not None:
+            body["timeout"] = timeout
+        return self._request("POST", f"/sandboxes/{path_param(sandbox_id)}/fork",
+                             json=body).json()
+
+    def snapshot_sandbox(self, sandbox_id: str, name: str | None = None) -> dict[str, Any]:
+        body = {"name": name} if name else {}
+        return self._request("POST", f"/sandboxes/{path_param(sandbox_id)}/snapshots",
+                             json=body).json()
+
     def connect_sandbox(self, sandbox_id: str,
                         timeout: int | None = None) -> tuple[dict[str, Any], bool]:
         """v2 connect: resumes a paused sandbox. Returns (sandbox, resumed) — the server
