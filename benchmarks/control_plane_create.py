@@ -16,8 +16,12 @@ envd, envd_init) and takes the client-side wall time; per kill, the client-side 
 The warm-up creates (first disk probe, accelerator choice, cold caches) are reported apart
 and left out of the percentiles.
 
+``--mode cold`` (default) makes the server boot every sandbox (``--no-snapshot-base``);
+``--mode restore`` measures the server's default, where creates restore base's snapshot
+(phases slot, restore, envd, envd_init).
+
 ``control_plane`` is api + orchestrator + slot + disk + prepare: everything except starting
-the VMM, the guest's boot and the round trips to envd. ``client_gap`` is wall time minus the
+the VMM, the guest's boot (or restore) and the round trips to envd. ``client_gap`` is wall time minus the
 sum of all phases (HTTP, JSON, uvicorn, the client). The goal is a control plane under
 5 ms p50 (``goal_met``).
 
@@ -37,7 +41,6 @@ import argparse
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,93 +52,14 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from aenv.config import Settings
-from benchmarks._common import emit, free_port, parse_server_timing, spawn_child, stop, summary
+from benchmarks._common import emit, parse_server_timing, summary
+from benchmarks._server import VMServer, leftovers, log
 
-PHASES = ("api", "orchestrator", "slot", "disk", "prepare", "vmm", "kernel", "init", "envd",
-          "envd_init")
+PHASES = ("api", "orchestrator", "slot", "disk", "prepare", "vmm", "kernel", "init", "restore",
+          "envd", "envd_init")
 CONTROL_PLANE = ("api", "orchestrator", "slot", "disk", "prepare")
 GOAL_MS = 5.0
 DISK_METHOD = re.compile(r"sandbox \w+: slot \d+, disk (\w+),")  # the node's create log line
-PROFILED_SERVER = """
-import cProfile, runpy, signal, sys
-signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-out = sys.argv.pop(1)
-sys.argv[0] = "aenv"
-cProfile.run("runpy.run_module('aenv.cli.main', run_name='__main__')", out)
-"""
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-class VMServer:
-    """``aenv server`` with microVM sandboxes, isolated from any other server on the host."""
-
-    def __init__(self, home: Path, net: int, cache_home: Path,
-                 cprofile: Path | None = None) -> None:
-        self.settings = Settings(
-            home=home, cache_home=cache_home,
-            name_prefix=f"cp{os.getpid() % 10000:04d}",
-            host_cidr=f"10.{net}.0.0/24", veth_cidr=f"10.{net}.1.0/24", warm_slots=2)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = home / "server.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.cprofile = cprofile
-
-    def start(self) -> None:
-        s = self.settings
-        env = {**os.environ, "AENV_HOME": str(s.home), "AENV_CACHE_HOME": str(s.artifacts),
-               "AENV_NAME_PREFIX": s.name_prefix, "AENV_HOST_CIDR": s.host_cidr,
-               "AENV_VETH_CIDR": s.veth_cidr, "AENV_WARM_SLOTS": str(s.warm_slots)}
-        argv = [sys.executable, "-m", "aenv.cli.main", "server", "--port", str(self.port)]
-        if self.cprofile:
-            # uvicorn re-raises SIGTERM after its graceful shutdown; make that an exit that
-            # cProfile survives, so it writes its stats.
-            argv[1:3] = ["-c", PROFILED_SERVER, str(self.cprofile)]
-        self.proc = spawn_child(argv, self.url + "/health", log_path=self.log_path, env=env,
-                                timeout=600)
-
-    def api(self) -> httpx.Client:
-        key = (self.settings.secrets_dir / "api-key").read_text().strip()
-        return httpx.Client(base_url=self.url, headers={"X-API-KEY": key}, timeout=180)
-
-    def kill_all(self) -> int:
-        with self.api() as c:
-            ids = [s["sandboxID"] for s in c.get("/v2/sandboxes", params={"limit": 1000}).json()]
-            for sid in ids:
-                c.delete(f"/sandboxes/{sid}")
-        return len(ids)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            stop(self.proc, grace=30)
-
-
-def leftovers(settings: Settings) -> dict[str, list[str]]:
-    """Host objects of ``settings.name_prefix`` still present (all lists empty when clean)."""
-    prefix = settings.name_prefix
-    netns = sorted(n for n in os.listdir("/run/netns") if n.startswith(prefix + "-")) \
-        if os.path.isdir("/run/netns") else []
-    tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True,
-                            check=False).stdout.splitlines()
-    vms = str(settings.vms_dir)
-    procs = []
-    for e in os.scandir("/proc"):
-        if e.name.isdigit():
-            try:
-                if os.readlink(f"/proc/{e.name}/cwd").startswith(vms):
-                    procs.append(e.name)
-            except OSError:
-                pass
-    shm = sorted(p.name for p in Path("/dev/shm").glob(f"{prefix}-*"))
-    names = [t.split()[-1] for t in tables if t.strip()]
-    return {"netns": netns,
-            "nft_tables": [n for n in names if n == prefix or n.startswith(prefix + "-")],
-            "vmm_processes": procs, "shm_files": shm}
-
-
 def create_and_kill(api: httpx.Client) -> tuple[float, dict[str, float], float]:
     """One create and its kill: (create wall ms, Server-Timing phases ms, kill wall ms)."""
     t0 = time.perf_counter()
@@ -164,6 +88,9 @@ def main() -> None:
                          "temp dir); its filesystem decides reflink or qcow2 disks")
     ap.add_argument("--cache-home", type=Path, default=None,
                     help="kernels and images (default: the default data dir's artifacts)")
+    ap.add_argument("--mode", choices=("cold", "restore"), default="cold",
+                    help="cold: every create boots (server --no-snapshot-base); restore: "
+                         "creates restore base's snapshot (the server's default)")
     ap.add_argument("--cprofile", type=Path, metavar="FILE",
                     help="run the server under cProfile and write its stats to FILE")
     args = ap.parse_args()
@@ -172,8 +99,10 @@ def main() -> None:
 
     home = Path(tempfile.mkdtemp(prefix="aenv-bench-cp-", dir=args.data_dir))
     srv = VMServer(home, args.net, args.cache_home or Settings.from_env().artifacts,
-                   args.cprofile)
-    result: dict[str, Any] = {"benchmark": "control_plane_create", "n": args.n,
+                   args.cprofile,
+                   server_args=("--no-snapshot-base",) if args.mode == "cold" else ())
+    result: dict[str, Any] = {"benchmark": "control_plane_create", "mode": args.mode,
+                              "n": args.n,
                               "load_before": os.getloadavg()}
     rows: list[tuple[float, dict[str, float], float]] = []
     try:

@@ -1,0 +1,179 @@
+"""Snapshot operations as a client sees them, through the REST API of a real ``aenv server``.
+
+Run as root: ``.venv/bin/python benchmarks/sandbox_snapshots.py [--n 10] [--forks 3]``
+
+Method: one server (its own home, prefix and address ranges; ``benchmarks/_server.py``)
+with base kept as a snapshot, and a second one started with ``--no-snapshot-base`` for the
+cold-boot comparison. Client-side wall times (httpx, one keep-alive connection), each
+operation ``--n`` times on a sandbox that holds a background process and a file:
+
+- ``create_restore`` vs ``create_cold``: ``POST /v2/sandboxes`` from base, to the 201 (the
+  server answers only after envd ran ``/init``);
+- ``pause`` (``POST .../pause`` → 204) and ``resume`` (``POST /v2/.../connect`` → 201);
+- ``snapshot``: ``POST .../snapshots`` of a running sandbox (→ 201);
+- ``fork16``: ``POST .../fork {"count": 16}`` of a fresh sandbox (restored from base, one
+  process running) until the answer, which comes once every child has been restored and
+  its envd initialised (``--forks`` rounds; the children are killed between rounds).
+
+The runtime-level figures (freeze time, 256 MiB vs 2 GiB, memory per child) are
+``benchmarks/vm_snapshot.py``. Output: one JSON object, milliseconds. The host has 2 shared
+cores and guests run under TCG: noisy; compare p50s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from aenv.config import Settings
+from benchmarks._common import emit, summary
+from benchmarks._server import VMServer, leftovers, log
+
+SETUP = ("nohup bash -c 'while true; do date +%s%N > /tmp/tick; sleep 0.1; done' "
+         ">/dev/null 2>&1 & echo state > /home/user/state.txt")
+
+
+def timed(fn: Callable[[], httpx.Response], status: int) -> float:
+    t0 = time.perf_counter()
+    r = fn()
+    ms = (time.perf_counter() - t0) * 1000
+    if r.status_code != status:
+        raise RuntimeError(f"{r.request.method} {r.request.url.path} answered "
+                           f"{r.status_code}: {r.text[:300]}")
+    return ms
+
+
+def create(api: httpx.Client) -> tuple[str, float]:
+    t0 = time.perf_counter()
+    r = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 600})
+    if r.status_code != 201:
+        raise RuntimeError(f"create answered {r.status_code}: {r.text[:300]}")
+    return r.json()["sandboxID"], (time.perf_counter() - t0) * 1000
+
+
+def run_in(api: httpx.Client, srv: VMServer, sid: str, token: str | None, cmd: str) -> None:
+    import asyncio
+
+    from aenv.client.envd import EnvdClient
+
+    async def go() -> None:
+        envd = EnvdClient.through_proxy(srv.url, sid, token)
+        try:
+            r = await envd.run(cmd, timeout=30)
+            if r.exit_code != 0:
+                raise RuntimeError(f"{cmd!r} exited {r.exit_code}: {r.stderr}")
+        finally:
+            await envd.aclose()
+
+    asyncio.run(go())
+
+
+def measure(srv: VMServer, n: int, forks: int) -> dict[str, Any]:
+    out: dict[str, list[float]] = {"create_restore": [], "pause": [], "resume": [],
+                                   "snapshot": [], "fork16": []}
+    with srv.api() as api:
+        create(api)  # warm-up: first restore maps the snapshot cold
+        sid, _ = create(api)
+        token = api.get(f"/sandboxes/{sid}").json().get("envdAccessToken")
+        run_in(api, srv, sid, token, SETUP)
+        for i in range(n):
+            child, ms = create(api)
+            out["create_restore"].append(ms)
+            api.delete(f"/sandboxes/{child}")
+            out["pause"].append(timed(lambda: api.post(f"/sandboxes/{sid}/pause", json={}), 204))
+            out["resume"].append(timed(
+                lambda: api.post(f"/v2/sandboxes/{sid}/connect", json={"timeout": 600}), 201))
+            out["snapshot"].append(timed(
+                lambda: api.post(f"/sandboxes/{sid}/snapshots", json={}), 201))
+            log(f"round {i + 1}/{n}: create {out['create_restore'][-1]:.0f} ms, pause "
+                f"{out['pause'][-1]:.0f}, resume {out['resume'][-1]:.0f}, snapshot "
+                f"{out['snapshot'][-1]:.0f}")
+        # Forks start from a fresh sandbox (restored from base, one process running), as an
+        # RL rollout does, not from the one snapshotted above.
+        src, _ = create(api)
+        run_in(api, srv, src, api.get(f"/sandboxes/{src}").json().get("envdAccessToken"), SETUP)
+        for i in range(forks):
+            t0 = time.perf_counter()
+            r = api.post(f"/sandboxes/{src}/fork", json={"count": 16}, timeout=600)
+            out["fork16"].append((time.perf_counter() - t0) * 1000)
+            results = r.json()
+            failed = [x for x in results if "error" in x]
+            log(f"fork x16 round {i + 1}: {out['fork16'][-1]:.0f} ms, {len(failed)} failed")
+            if failed:
+                raise RuntimeError(f"fork children failed: {failed[:3]}")
+            for x in results:
+                api.delete(f"/sandboxes/{x['sandbox']['sandboxID']}")
+        for s in api.get("/snapshots").json():
+            api.delete(f"/templates/{s['snapshotID']}")
+    return {k: summary(v) for k, v in out.items() if v}
+
+
+def cold_creates(srv: VMServer, n: int) -> dict[str, float]:
+    walls = []
+    with srv.api() as api:
+        for i in range(n):
+            sid, ms = create(api)
+            walls.append(ms)
+            api.delete(f"/sandboxes/{sid}")
+            log(f"cold create {i + 1}/{n}: {ms:.0f} ms")
+    return summary(walls)
+
+
+def with_server(home: Path, net: int, args: tuple[str, ...], fn: Callable[[VMServer], Any]):
+    srv = VMServer(home, net, Settings.from_env().artifacts, server_args=args)
+    try:
+        log(f"starting aenv server {' '.join(args)} (prefix {srv.settings.name_prefix})")
+        srv.start()
+        return fn(srv)
+    except BaseException:
+        if srv.log_path.exists():
+            log("server log tail:\n" + srv.log_path.read_text(errors="replace")[-3000:])
+        raise
+    finally:
+        try:
+            if srv.proc is not None and srv.proc.poll() is None:
+                srv.kill_all()
+        finally:
+            srv.stop()
+            left = leftovers(srv.settings)
+            if any(left.values()):
+                from aenv.network import cleanup_leftovers
+
+                log(f"leftovers found, removing: {left}")
+                cleanup_leftovers(srv.settings)
+            shutil.rmtree(home, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=10)
+    ap.add_argument("--forks", type=int, default=3)
+    ap.add_argument("--cold", type=int, default=5, help="cold-boot creates for comparison")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("sandbox_snapshots.py needs root (network namespaces, VMs)")
+    result: dict[str, Any] = {"benchmark": "sandbox_snapshots", "n": args.n,
+                              "load_before": os.getloadavg()}
+    result.update(with_server(Path(tempfile.mkdtemp(prefix="aenv-bench-snap-")), 92, (),
+                              lambda s: measure(s, args.n, args.forks)))
+    result["create_cold"] = with_server(Path(tempfile.mkdtemp(prefix="aenv-bench-cold-")), 90,
+                                        ("--no-snapshot-base",),
+                                        lambda s: cold_creates(s, args.cold))
+    result["create_restore_vs_cold_p50"] = round(
+        result["create_restore"]["p50"] / result["create_cold"]["p50"], 3)
+    emit(result)
+
+
+if __name__ == "__main__":
+    main()
