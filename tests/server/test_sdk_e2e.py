@@ -5,6 +5,7 @@ Configured only through E2B_API_URL, E2B_SANDBOX_URL and E2B_API_KEY.
 
 from __future__ import annotations
 
+import datetime
 import time
 import uuid
 
@@ -142,3 +143,29 @@ def test_unknown_sandbox_is_404_on_the_api_and_502_on_the_proxy(sdk) -> None:
 def test_unknown_template_raises(sdk) -> None:
     with pytest.raises(SandboxException):
         Sandbox.create("no-such-template")
+
+
+def test_metrics_come_from_the_guest(sdk, shared) -> None:
+    deadline = time.time() + 30
+    metrics = []
+    while not metrics and time.time() < deadline:
+        metrics = shared.get_metrics()
+        time.sleep(1)
+    assert metrics, "no sample within 30 s"
+    m = metrics[-1]
+    assert m.cpu_count >= 1 and 0 < m.mem_used < m.mem_total and m.disk_total > 0
+    assert shared.get_metrics(start=datetime.datetime(2000, 1, 1),
+                              end=datetime.datetime(2000, 1, 2)) == []
+
+
+def test_logs_show_the_guest_console(sdk, shared) -> None:
+    shared.commands.run("echo '<1>aenv-log-marker' > /dev/kmsg", user="root")
+    deadline = time.time() + 10
+    while True:
+        r = httpx.get(f"{sdk.url}/sandboxes/{shared.sandbox_id}/logs",
+                      headers={"X-API-KEY": sdk.api_key})
+        assert r.status_code == 200
+        if any("aenv-log-marker" in e["line"] for e in r.json()["logs"]):
+            break
+        assert time.time() < deadline, r.json()["logs"][-5:]
+        time.sleep(0.5)
