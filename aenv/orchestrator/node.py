@@ -148,21 +148,9 @@ class NodeMachines:
             url = f"http://{slot.host_ip}:{ENVD_PORT}"
             await wait_for_envd(url, ENVD_READY_TIMEOUT_S, vm=vm)
             t_envd = time.monotonic()
-            envd = EnvdClient(url)
-            try:
-                # The clock is as old as the snapshot and the RNG state is shared with every
-                # other restore of it: /init fixes both, and hands over this sandbox's token.
-                await envd.init(access_token=rec.envd_token, env_vars=rec.env_vars,
-                                default_user=template.user or "user",
-                                default_workdir=template.workdir,
-                                current_token=template.envd_token, entropy=os.urandom(64))
-            finally:
-                await envd.aclose()
+            await self._init_envd(url, rec, template, restored=True)
         except BaseException:
-            if vm is not None:
-                await vm.stop()
-            await asyncio.to_thread(wd.remove, workdir)
-            await asyncio.to_thread(self._release, slot)
+            await self._abandon(vm, workdir, slot)
             raise
         self._running[rec.id] = _Running(vm, slot, None)
         timing = {"slot": t_slot - t0, "restore": t_vm - t_slot, "envd": t_envd - t_vm,
@@ -199,20 +187,9 @@ class NodeMachines:
             url = f"http://{slot.host_ip}:{ENVD_PORT}"
             vm, phases = await boot_until_ready(self.runtime, spec, url, ENVD_READY_TIMEOUT_S)
             t_boot = time.monotonic()
-            envd = EnvdClient(url)
-            try:
-                await envd.init(access_token=rec.envd_token, env_vars=rec.env_vars,
-                                default_user=template.user or "user",
-                                default_workdir=template.workdir, entropy=os.urandom(64))
-                if template.start_cmd:
-                    await self._start_command(envd, template)
-            finally:
-                await envd.aclose()
+            await self._init_envd(url, rec, template, restored=False)
         except BaseException:
-            if vm is not None:
-                await vm.stop()
-            await asyncio.to_thread(wd.remove, workdir)
-            await asyncio.to_thread(self._release, slot)
+            await self._abandon(vm, workdir, slot)
             raise
         self._running[rec.id] = _Running(vm, slot, disk)
         timing = {
@@ -230,6 +207,31 @@ class NodeMachines:
         return Placement(vm_dir=str(workdir), vm_pid=vm.pid, slot=slot.index,
                          host_ip=slot.host_ip, runtime=self.runtime.name, phases=timing,
                          restored_from=backing)
+
+    async def _init_envd(self, url: str, rec: SandboxRecord, template: TemplateRecord, *,
+                         restored: bool) -> None:
+        """Hand the guest its identity. After a restore the clock is as old as the snapshot
+        and the RNG state is shared with every other restore of it: /init fixes both, and
+        the token inside the snapshot authorises handing over this sandbox's. A cold boot
+        then runs the template's start command."""
+        envd = EnvdClient(url)
+        try:
+            await envd.init(access_token=rec.envd_token, env_vars=rec.env_vars,
+                            default_user=template.user or "user",
+                            default_workdir=template.workdir,
+                            current_token=template.envd_token if restored else None,
+                            entropy=os.urandom(64))
+            if not restored and template.start_cmd:
+                await self._start_command(envd, template)
+        finally:
+            await envd.aclose()
+
+    async def _abandon(self, vm: VM | None, workdir: Path, slot: NetworkSlot) -> None:
+        """Undo a start that failed half way."""
+        if vm is not None:
+            await vm.stop()
+        await asyncio.to_thread(wd.remove, workdir)
+        await asyncio.to_thread(self._release, slot)
 
     async def _start_command(self, envd: EnvdClient, template: TemplateRecord) -> None:
         """Cold-boot path for templates with a start command: run it, wait for ready."""
