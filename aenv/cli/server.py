@@ -20,6 +20,7 @@ def server(
         help="domain returned to SDKs; sandbox hosts are <port>-<id>.<domain>"),
     max_sandboxes: int = typer.Option(64, envvar="AENV_MAX_SANDBOXES"),
     max_starting: int = typer.Option(8, envvar="AENV_MAX_STARTING"),
+    max_fork: int = typer.Option(16, envvar="AENV_MAX_FORK", help="most children per fork"),
     log_level: str = typer.Option("info", envvar="AENV_LOG_LEVEL"),
     snapshot_base: bool = typer.Option(
         True, "--snapshot-base/--no-snapshot-base", envvar="AENV_SNAPSHOT_BASE",
@@ -43,7 +44,8 @@ def server(
         logging.getLogger(noisy).setLevel(logging.WARNING)
     settings = Settings.from_env()
     srv = Server(settings, NodeMachines(settings), ServerOptions(
-        domain=domain, limits=Limits(max_sandboxes=max_sandboxes, max_starting=max_starting),
+        domain=domain, limits=Limits(max_sandboxes=max_sandboxes, max_starting=max_starting,
+                      max_fork=max_fork),
         snapshot_base=snapshot_base))
     logging.getLogger("aenv.server").info(
         "data in %s; API key %s; listening on http://%s:%d", settings.home,

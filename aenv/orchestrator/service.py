@@ -166,7 +166,10 @@ class Orchestrator:
             metadata=dict(opts.metadata),
             env_vars={**tpl.env_vars, **opts.env_vars},
             envd_token=new_token() if opts.secure else None,
-            traffic_token=None,
+            # Private sandboxes (network.allowPublicTraffic false) take a second token on
+            # every request to their ports other than envd's.
+            traffic_token=new_token() if (opts.network or {}).get("allowPublicTraffic") is False
+            else None,
             secure=opts.secure,
             auto_pause=opts.auto_pause,
             auto_pause_memory=opts.auto_pause_memory,

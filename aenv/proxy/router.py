@@ -152,8 +152,10 @@ class ProxyRouter:
     def _allowed(self, scope: Scope, route: Route, port: int) -> bool:
         if port == ENVD_PORT:
             return scope["path"] not in _ENVD_INTERNAL
-        if route.public_traffic or not route.traffic_token:
+        if route.public_traffic:
             return True
+        if not route.traffic_token:
+            return False
         given = _header(scope, b"e2b-traffic-access-token") or ""
         return hmac.compare_digest(given.encode(), route.traffic_token.encode())
 

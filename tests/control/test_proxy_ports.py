@@ -85,3 +85,24 @@ def test_closed_port_gets_the_port_is_not_open_502(sbx, server) -> None:
 def test_one_routing_header_without_the_other_is_400(server) -> None:
     r = httpx.get(server.url + "/health", headers={"E2b-Sandbox-Id": "abc"})
     assert r.status_code == 400 and r.json()["code"] == 400
+
+
+def test_private_sandbox_ports_need_the_traffic_token(api_env, server, tmp_path) -> None:
+    s = Sandbox.create("base", network={"allow_public_traffic": False})
+    try:
+        token = s.traffic_access_token
+        assert token
+        ip = server.server.sandboxes.get(s.sandbox_id).host_ip
+        (tmp_path / "p.txt").write_text("private")
+        s.commands.run(f"cd {tmp_path} && {sys.executable} -m http.server 8124 --bind {ip}",
+                       background=True, user="root")
+        headers = {"E2b-Sandbox-Id": s.sandbox_id, "E2b-Sandbox-Port": "8124"}
+        ok = _wait_port(server.url + "/p.txt",
+                        {**headers, "E2B-Traffic-Access-Token": token})
+        assert ok.status_code == 200 and ok.text == "private"
+        assert httpx.get(server.url + "/p.txt", headers=headers).status_code == 403
+        wrong = {**headers, "E2B-Traffic-Access-Token": "x" * 40}
+        assert httpx.get(server.url + "/p.txt", headers=wrong).status_code == 403
+        assert s.commands.run("echo envd-needs-no-traffic-token").exit_code == 0
+    finally:
+        s.kill()

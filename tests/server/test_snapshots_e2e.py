@@ -144,3 +144,19 @@ def test_snapshot_files_are_freed_once_nothing_depends_on_them(sdk) -> None:
     assert child.commands.run("echo still").stdout == "still\n"
     child.kill()
     assert on_disk() - before == set()
+
+
+def test_ttl_pauses_and_traffic_resumes_when_asked_to(sdk) -> None:
+    sbx = Sandbox.create("base", timeout=3,
+                         lifecycle={"on_timeout": "pause", "auto_resume": True})
+    try:
+        sbx.files.write("/home/user/ttl.txt", "kept over the pause")
+        deadline = time.time() + 30
+        while Sandbox.get_info(sbx.sandbox_id).state.value != "paused":
+            assert time.time() < deadline, "the TTL did not pause the sandbox"
+            time.sleep(0.5)
+        # Any request to the paused sandbox resumes it (auto-resume on proxy traffic).
+        assert sbx.files.read("/home/user/ttl.txt") == "kept over the pause"
+        assert Sandbox.get_info(sbx.sandbox_id).state.value == "running"
+    finally:
+        sbx.kill()
