@@ -21,19 +21,12 @@ from aenv.orchestrator.machine import Placement
 from aenv.server import Server, ServerOptions
 from aenv.store import SandboxRecord, TemplateRecord
 from tests.conftest import free_port, wait_http
+from tests.control.process_machines import ProcessMachines
 from tests.deploy.files import DRAIN
 
 
-class IdleMachines:
-    """Sandboxes with no VM behind them: start and stop only bookkeep."""
-
-    can_pause = False
-
-    async def prepare(self, keep_slots: set[int], keep_vms: set[str]) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
+class IdleMachines(ProcessMachines):
+    """Sandboxes with no VM and no process behind them: start and stop only bookkeep."""
 
     async def start(self, rec: SandboxRecord, template: TemplateRecord) -> Placement:
         return Placement(vm_dir="", vm_pid=0, slot=0, host_ip="", runtime="idle")
@@ -43,12 +36,6 @@ class IdleMachines:
 
     async def reattach(self, rec: SandboxRecord) -> bool:
         return False
-
-    def logs(self, rec: SandboxRecord, start: int | None, limit: int) -> list[dict]:
-        return []
-
-    def in_use(self) -> set[int]:
-        return set()
 
 
 class IdleServer:

@@ -98,7 +98,8 @@ def test_released_slot_comes_back_clean(pool_factory, make_guest, internet):
     pool = pool_factory(warm=1, host_cidr=TINY_HOST_CIDR, veth_cidr=TINY_VETH_CIDR)
     first = pool.acquire(EgressPolicy.build(allow_internet=False))
     others = [pool.acquire() for _ in range(2)]
-    assert {s.index for s in others} == {2, 3}
+    # Which index the warm slot got depends on the refill thread; all three are in use.
+    assert {first.index} | {s.index for s in others} == {1, 2, 3}
     guest = make_guest(first)
     assert blocked(guest.netns, INET_PEER_IP, internet.public.port)
     guest.close()
