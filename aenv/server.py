@@ -6,6 +6,7 @@ API and proxy behind one listener. Everything with behaviour lives in those pack
 
 from __future__ import annotations
 
+import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -74,7 +75,7 @@ class Server:
             metrics=self.metrics, logs=self.machines.logs, lifespan=lifespan,
             builder=self.builder, upload_secret=self.api_key.encode(),
         )
-        self.app = Front(api, self.proxy, self._signed_lookup)
+        self.app = Front(api, self.proxy, self._signed_lookup, self._token_lookup)
 
     async def start(self) -> None:
         live = self.sandboxes.live()
@@ -132,6 +133,13 @@ class Server:
         exp = int(expiration) if expiration and expiration.isdigit() else None
         for rec in self.sandboxes.in_states(("running",)):
             if rec.envd_token and signature_for(path, op, user, rec.envd_token, exp) == signature:
+                return rec.id
+        return None
+
+    async def _token_lookup(self, token: str) -> str | None:
+        """The running sandbox whose envd access token is ``token`` (see ``Front``)."""
+        for rec in self.sandboxes.in_states(("running",)):
+            if rec.envd_token and hmac.compare_digest(rec.envd_token, token):
                 return rec.id
         return None
 

@@ -57,6 +57,16 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
+# The oldest E2B Python SDK we promise to serve (v1 create/connect), in its own venv so it
+# never meets the pinned one.
+old=.venv-e2b-2.7
+if [ ! -x $old/bin/python ] || ! $old/bin/python -c 'import e2b' 2>/dev/null; then
+  echo "setup: installing e2b==2.7.0 (the oldest supported SDK) for the tests"
+  "$PYTHON" -m venv $old
+  $old/bin/pip install -q --disable-pip-version-check e2b==2.7.0 2>&1 \
+    | { grep -v "^WARNING: Location 'file:///opt/" || true; }
+fi
+
 js=tests/js
 jstamp=$js/node_modules/.aenv-setup
 jwant=$(cat $js/package.json | sha256sum | cut -d' ' -f1)

@@ -5,6 +5,15 @@ Sandbox traffic is recognised by a Host of ``<port>-<id>.<domain>``, by the
 ``E2b-Sandbox-Id``/``E2b-Sandbox-Port`` header pair (both or neither), or — for the SDK's
 signed ``download_url``/``upload_url``, which carry no routing headers — by a ``/files``
 request with a ``signature`` that one running sandbox's token reproduces.
+
+A request with ``X-API-KEY`` is an API call even when it has the routing headers: SDKs from 2.7
+to about 2.50 send them on ``POST /sandboxes/{id}/connect`` too, and the SDK never sends the API
+key to envd.
+
+Last resort: an envd request (RPC or ``/files``) with no routing at all but an
+``X-Access-Token`` goes to the running sandbox that owns that token. E2B 2.7's sync
+``Sandbox.connect`` builds its envd client without the routing headers, so this is the only
+way its calls can arrive.
 """
 
 from __future__ import annotations
@@ -17,18 +26,22 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from .router import ENVD_PORT, ProxyRouter, _answer, _json, not_found, parse_host
 
 SignedLookup = Callable[[str, str, str | None, str, str | None], Awaitable[str | None]]
+TokenLookup = Callable[[str], Awaitable[str | None]]
+_ENVD_RPC = ("/process.Process/", "/filesystem.Filesystem/")
 
 
 class Front:
-    def __init__(self, api: ASGIApp, proxy: ProxyRouter, signed_lookup: SignedLookup) -> None:
-        self.api, self.proxy, self.signed_lookup = api, proxy, signed_lookup
+    def __init__(self, api: ASGIApp, proxy: ProxyRouter, signed_lookup: SignedLookup,
+                 token_lookup: TokenLookup) -> None:
+        self.api, self.proxy = api, proxy
+        self.signed_lookup, self.token_lookup = signed_lookup, token_lookup
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
             return await self.api(scope, receive, send)
         headers = dict(scope["headers"])
         target = parse_host(headers.get(b"host", b"").decode("latin-1"))
-        if target is None:
+        if target is None and b"x-api-key" not in headers:
             sid = headers.get(b"e2b-sandbox-id")
             port = headers.get(b"e2b-sandbox-port")
             if sid is not None or port is not None:
@@ -49,6 +62,13 @@ class Front:
                 if sid is None:
                     return await _answer(send, *not_found(""))
                 target = (ENVD_PORT, sid)
+        token = headers.get(b"x-access-token")
+        if (target is None and token and scope["type"] == "http" and b"x-api-key" not in headers
+                and (scope["path"] == "/files" or scope["path"].startswith(_ENVD_RPC))):
+            sid = await self.token_lookup(token.decode("latin-1"))
+            if sid is None:
+                return await _answer(send, *not_found(""))
+            target = (ENVD_PORT, sid)
         if target is None:
             return await self.api(scope, receive, send)
         port, sandbox_id = target
