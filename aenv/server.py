@@ -113,8 +113,10 @@ class Server:
         rec = self.sandboxes.get(sandbox_id)
         if rec is None:
             return None
-        if rec.state == "paused" and rec.auto_resume:
-            log.info("sandbox %s: traffic while paused, resuming", sandbox_id)
+        # "pausing" too: the API already reports it as paused, and connect waits for the
+        # pause to finish (it holds the sandbox's lock) before resuming.
+        if rec.state in ("pausing", "paused") and rec.auto_resume:
+            log.info("sandbox %s: traffic while %s, resuming", sandbox_id, rec.state)
             rec, _ = await self.orchestrator.connect(sandbox_id, AUTO_RESUME_MIN_TIMEOUT_S)
         if rec.state != "running" or not rec.host_ip:
             return None

@@ -293,7 +293,7 @@ async def test_an_interrupted_pause_with_a_complete_snapshot_recovers_as_paused(
 
 
 async def test_an_interrupted_pause_without_a_snapshot_goes_back_to_running(world) -> None:
-    orch, m = world
+    orch, _ = world
     rec = await orch.create(CreateOptions(template="base"))
     orch.sandboxes.transition(rec.id, ["running"], "pausing", snapshot_id="snapshot:half")
     await orch.recover()
@@ -312,3 +312,15 @@ async def test_a_template_is_snapshotted_once_per_image_key(world) -> None:
     assert len(m.paused) == 2
     child = await orch.create(CreateOptions(template="base"))
     assert child.restored_from == orch.templates.get("base").image
+
+
+async def test_connect_during_a_pause_waits_for_it_then_resumes(world) -> None:
+    """The proxy's auto-resume relies on this: the API shows "pausing" as paused."""
+    orch, m = world
+    rec = await orch.create(CreateOptions(template="base"))
+    pausing = asyncio.create_task(orch.pause(rec.id))
+    while orch.get(rec.id).state != "pausing":
+        await asyncio.sleep(0.001)
+    got, resumed = await orch.connect(rec.id, None)
+    await pausing
+    assert resumed and got.state == "running" and m.paused == [rec.id]
