@@ -6,10 +6,12 @@ API and proxy behind one listener. Everything with behaviour lives in those pack
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +30,10 @@ from .store import Database, SandboxStore, TemplateRecord, TemplateStore
 log = logging.getLogger("aenv.server")
 
 AUTO_RESUME_MIN_TIMEOUT_S = 300
+# Host work that blocks (spawning VMMs, netlink, writing guest memory, disk clones) runs in
+# threads that mostly wait in syscalls. asyncio's default pool has cpu+4 threads, so the
+# children of one fork x16 queued behind each other for seconds.
+BLOCKING_THREADS = 64
 
 
 @dataclass
@@ -78,6 +84,8 @@ class Server:
         self.app = Front(api, self.proxy, self._signed_lookup, self._token_lookup)
 
     async def start(self) -> None:
+        asyncio.get_running_loop().set_default_executor(
+            ThreadPoolExecutor(BLOCKING_THREADS, thread_name_prefix="aenv-host"))
         live = self.sandboxes.live()
         await self.machines.prepare({r.slot for r in live if r.slot is not None},
                                     {r.id for r in live if r.vm_dir})
