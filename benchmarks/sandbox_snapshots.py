@@ -13,7 +13,8 @@ operation ``--n`` times on a sandbox that holds a background process and a file:
 - ``snapshot``: ``POST .../snapshots`` of a running sandbox (→ 201);
 - ``fork16``: ``POST .../fork {"count": 16}`` of a fresh sandbox (restored from base, one
   process running) until the answer, which comes once every child has been restored and
-  its envd initialised (``--forks`` rounds; the children are killed between rounds).
+  its envd initialised (``--forks`` rounds; the children are killed between rounds);
+  ``fork16_quiet``: the same from a sandbox that ran one command and holds a file only.
 
 The runtime-level figures (freeze time, 256 MiB vs 2 GiB, memory per child) are
 ``benchmarks/vm_snapshot.py``. Output: one JSON object, milliseconds. The host has 2 shared
@@ -42,6 +43,9 @@ from benchmarks._server import VMServer, leftovers, log
 
 SETUP = ("nohup bash -c 'while true; do date +%s%N > /tmp/tick; sleep 0.1; done' "
          ">/dev/null 2>&1 & echo state > /home/user/state.txt")
+# The same file, no process: under TCG each child is a fresh QEMU with an empty translation
+# cache, so a source whose loop keeps exec-ing costs every child that code's translation.
+QUIET = "echo state > /home/user/state.txt"
 
 
 def timed(fn: Callable[[], httpx.Response], status: int) -> float:
@@ -81,7 +85,7 @@ def run_in(api: httpx.Client, srv: VMServer, sid: str, token: str | None, cmd: s
 
 def measure(srv: VMServer, n: int, forks: int) -> dict[str, Any]:
     out: dict[str, list[float]] = {"create_restore": [], "pause": [], "resume": [],
-                                   "snapshot": [], "fork16": []}
+                                   "snapshot": [], "fork16": [], "fork16_quiet": []}
     with srv.api() as api:
         create(api)  # warm-up: first restore maps the snapshot cold
         sid, _ = create(api)
@@ -99,24 +103,33 @@ def measure(srv: VMServer, n: int, forks: int) -> dict[str, Any]:
             log(f"round {i + 1}/{n}: create {out['create_restore'][-1]:.0f} ms, pause "
                 f"{out['pause'][-1]:.0f}, resume {out['resume'][-1]:.0f}, snapshot "
                 f"{out['snapshot'][-1]:.0f}")
-        # Forks start from a fresh sandbox (restored from base, one process running), as an
-        # RL rollout does, not from the one snapshotted above.
-        src, _ = create(api)
-        run_in(api, srv, src, api.get(f"/sandboxes/{src}").json().get("envdAccessToken"), SETUP)
-        for i in range(forks):
-            t0 = time.perf_counter()
-            r = api.post(f"/sandboxes/{src}/fork", json={"count": 16}, timeout=600)
-            out["fork16"].append((time.perf_counter() - t0) * 1000)
-            results = r.json()
-            failed = [x for x in results if "error" in x]
-            log(f"fork x16 round {i + 1}: {out['fork16'][-1]:.0f} ms, {len(failed)} failed")
-            if failed:
-                raise RuntimeError(f"fork children failed: {failed[:3]}")
-            for x in results:
-                api.delete(f"/sandboxes/{x['sandbox']['sandboxID']}")
+        # Forks start from a fresh sandbox (restored from base), as an RL rollout does, not
+        # from the one snapshotted above: once with a process running, once quiet.
+        for key, cmd in (("fork16", SETUP), ("fork16_quiet", QUIET)):
+            src, _ = create(api)
+            run_in(api, srv, src, api.get(f"/sandboxes/{src}").json().get("envdAccessToken"),
+                   cmd)
+            out[key] = fork_rounds(api, src, forks, key)
+            api.delete(f"/sandboxes/{src}")
         for s in api.get("/snapshots").json():
             api.delete(f"/templates/{s['snapshotID']}")
     return {k: summary(v) for k, v in out.items() if v}
+
+
+def fork_rounds(api: httpx.Client, src: str, rounds: int, key: str) -> list[float]:
+    walls = []
+    for i in range(rounds):
+        t0 = time.perf_counter()
+        r = api.post(f"/sandboxes/{src}/fork", json={"count": 16}, timeout=600)
+        walls.append((time.perf_counter() - t0) * 1000)
+        results = r.json()
+        failed = [x for x in results if "error" in x]
+        log(f"{key} round {i + 1}: {walls[-1]:.0f} ms, {len(failed)} failed")
+        if failed:
+            raise RuntimeError(f"fork children failed: {failed[:3]}")
+        for x in results:
+            api.delete(f"/sandboxes/{x['sandbox']['sandboxID']}")
+    return walls
 
 
 def cold_creates(srv: VMServer, n: int) -> dict[str, float]:
