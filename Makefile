@@ -20,4 +20,4 @@ lint:
 	$(VENV)/bin/ruff check aenv tests benchmarks
 
 clean:
-	rm -rf $(VENV) tests/js/node_modules .pytest_cache
+	rm -rf $(VENV) .venv-e2b-2.7 tests/js/node_modules .pytest_cache

@@ -60,11 +60,13 @@ fi
 # The oldest E2B Python SDK we promise to serve (v1 create/connect), in its own venv so it
 # never meets the pinned one.
 old=.venv-e2b-2.7
-if [ ! -x $old/bin/python ] || ! $old/bin/python -c 'import e2b' 2>/dev/null; then
-  echo "setup: installing e2b==2.7.0 (the oldest supported SDK) for the tests"
+owant=e2b==2.7.0
+if [ "$(cat $old/.aenv-setup 2>/dev/null)" != "$owant" ]; then
+  echo "setup: installing $owant (the oldest supported SDK) for the tests"
   "$PYTHON" -m venv $old
-  $old/bin/pip install -q --disable-pip-version-check e2b==2.7.0 2>&1 \
+  $old/bin/pip install -q --disable-pip-version-check "$owant" 2>&1 \
     | { grep -v "^WARNING: Location 'file:///opt/" || true; }
+  echo "$owant" > $old/.aenv-setup
 fi
 
 js=tests/js

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -38,6 +39,16 @@ def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen | None = N
             last = e
         time.sleep(0.05)
     raise TimeoutError(f"{url} did not answer within {timeout}s: {last}")
+
+
+def run_json_script(argv: list[str], env: dict[str, str], *, cwd: Path = ROOT,
+                    timeout: float = 180) -> dict:
+    """Run an SDK client script with ``env`` added; it must exit 0 and print its
+    observations as one JSON object on its last line."""
+    proc = subprocess.run(argv, cwd=cwd, env={**os.environ, **env}, capture_output=True,
+                          text=True, timeout=timeout, check=False)
+    assert proc.returncode == 0, f"{argv[0]} failed:\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def stop_process(proc: subprocess.Popen, grace: float = 5.0) -> None:

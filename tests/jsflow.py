@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_json_script
 
 JS_DIR = ROOT / "tests/js"
 
@@ -17,10 +14,7 @@ JS_DIR = ROOT / "tests/js"
 def run_flow(env: dict[str, str], timeout: float = 180) -> dict:
     if shutil.which("node") is None or not (JS_DIR / "node_modules/e2b").is_dir():
         pytest.fail("node or the e2b npm package is missing: run ./scripts/setup.sh")
-    proc = subprocess.run(["node", "sdk_flow.mjs"], cwd=JS_DIR, env={**os.environ, **env},
-                          capture_output=True, text=True, timeout=timeout, check=False)
-    assert proc.returncode == 0, f"node failed:\n{proc.stdout}\n{proc.stderr}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_json_script(["node", "sdk_flow.mjs"], env, cwd=JS_DIR, timeout=timeout)
 
 
 def check_flow(result: dict) -> None:

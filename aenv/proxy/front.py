@@ -40,8 +40,9 @@ class Front:
         if scope["type"] not in ("http", "websocket"):
             return await self.api(scope, receive, send)
         headers = dict(scope["headers"])
+        api_call = b"x-api-key" in headers
         target = parse_host(headers.get(b"host", b"").decode("latin-1"))
-        if target is None and b"x-api-key" not in headers:
+        if target is None and not api_call:
             sid = headers.get(b"e2b-sandbox-id")
             port = headers.get(b"e2b-sandbox-port")
             if sid is not None or port is not None:
@@ -63,7 +64,7 @@ class Front:
                     return await _answer(send, *not_found(""))
                 target = (ENVD_PORT, sid)
         token = headers.get(b"x-access-token")
-        if (target is None and token and scope["type"] == "http" and b"x-api-key" not in headers
+        if (target is None and token and scope["type"] == "http" and not api_call
                 and (scope["path"] == "/files" or scope["path"].startswith(_ENVD_RPC))):
             sid = await self.token_lookup(token.decode("latin-1"))
             if sid is None:

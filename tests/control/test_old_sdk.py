@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_json_script
 
 OLD_PYTHON = ROOT / ".venv-e2b-2.7/bin/python"
 
@@ -16,11 +12,8 @@ OLD_PYTHON = ROOT / ".venv-e2b-2.7/bin/python"
 def test_e2b_2_7_runs_the_v1_flow_unchanged(api_env) -> None:
     if not OLD_PYTHON.exists():
         pytest.fail(f"{OLD_PYTHON} is missing: run ./scripts/setup.sh")
-    proc = subprocess.run([str(OLD_PYTHON), str(ROOT / "tests/old_sdk/flow.py")],
-                          env={**os.environ, **api_env}, capture_output=True, text=True,
-                          timeout=120, check=False)
-    assert proc.returncode == 0, f"old SDK flow failed:\n{proc.stdout}\n{proc.stderr}"
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_json_script([str(OLD_PYTHON), str(ROOT / "tests/old_sdk/flow.py")], api_env,
+                          timeout=120)
     assert out["running"] is True
     assert (out["stdout"], out["stderr"]) == ("hi\n", "err\n")
     assert out["streamed"] == "1\n2\n3\n"
