@@ -10,7 +10,7 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -19,6 +19,7 @@ from typing import Any
 from .api.app import create_api
 from .api.auth import load_api_key
 from .config import Settings
+from .envd.signing import signature as envd_signature
 from .orchestrator.builds import Builder
 from .orchestrator.machine import Machines
 from .orchestrator.metrics import MetricsCollector
@@ -138,18 +139,18 @@ class Server:
                              expiration: str | None) -> str | None:
         """The running sandbox whose token produced ``signature`` (signed URLs carry no
         routing headers)."""
-        from .envd.signing import signature_for
-
         exp = int(expiration) if expiration and expiration.isdigit() else None
-        for rec in self.sandboxes.in_states(("running",)):
-            if rec.envd_token and signature_for(path, op, user, rec.envd_token, exp) == signature:
-                return rec.id
-        return None
+        return self._owner_of(lambda t: hmac.compare_digest(
+            envd_signature(path, op, user or "", t, exp), signature))
 
     async def _token_lookup(self, token: str) -> str | None:
         """The running sandbox whose envd access token is ``token`` (see ``Front``)."""
+        return self._owner_of(lambda t: hmac.compare_digest(t, token))
+
+    def _owner_of(self, matches: Callable[[str], bool]) -> str | None:
+        """The running sandbox whose envd access token ``matches``."""
         for rec in self.sandboxes.in_states(("running",)):
-            if rec.envd_token and hmac.compare_digest(rec.envd_token, token):
+            if rec.envd_token and matches(rec.envd_token):
                 return rec.id
         return None
 

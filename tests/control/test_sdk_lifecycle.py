@@ -55,3 +55,25 @@ def test_invalid_json_gets_e2b_error(server) -> None:
                             "Content-Type": "application/json"})
     assert r.status_code == 400
     assert set(r.json()) == {"code", "message"} and r.json()["code"] == 400
+
+
+def test_signed_urls_reach_their_sandbox_without_routing_headers(api_env) -> None:
+    """The SDK's signed URLs carry no routing headers: the server finds the sandbox whose
+    token produced the signature, and no other."""
+    # These envds share the host's filesystem, so routing shows in the answer: the other
+    # sandbox's envd would refuse a signature made with this one's token (401).
+    other = Sandbox.create("base", secure=True)
+    sbx = Sandbox.create("base", secure=True)
+    try:
+        up = sbx.upload_url("/home/user/signed.txt")
+        r = httpx.post(up, files={"file": ("signed.txt", b"via a signed url")})
+        assert r.status_code == 200, r.text
+        assert sbx.files.read("/home/user/signed.txt") == "via a signed url"
+        down = httpx.get(sbx.download_url("/home/user/signed.txt"))
+        assert down.status_code == 200 and down.content == b"via a signed url"
+        forged = httpx.get(sbx.download_url("/home/user/signed.txt").replace(
+            "signature=v1_", "signature=v1_0"))
+        assert forged.status_code == 502, forged.text
+    finally:
+        sbx.kill()
+        other.kill()
