@@ -194,8 +194,14 @@ class EnvdClient:
 
     async def init(self, *, access_token: str | None, env_vars: dict[str, str],
                    default_user: str | None = "user", default_workdir: str | None = None,
-                   current_token: str | None = None, entropy: bytes | None = None) -> None:
-        body: dict[str, Any] = {"envVars": env_vars, "timestamp": _now_rfc3339()}
+                   current_token: str | None = None, entropy: bytes | None = None,
+                   wait: float = 0.0, alive: Callable[[], bool] | None = None) -> None:
+        """``POST /init``. With ``wait`` > 0 it also waits for envd to accept: a failed
+        connect is retried for that long (every 20 ms, stopping early once ``alive`` says
+        the VM is gone). Only connects are retried — a request that never connected was
+        never sent — so /init, which hands over the token, is applied exactly once. This
+        spares a restored guest a separate ``/health`` round trip."""
+        body: dict[str, Any] = {"envVars": env_vars}
         if access_token is not None:
             body["accessToken"] = access_token
         if default_user:
@@ -207,7 +213,19 @@ class EnvdClient:
         headers = dict(self.extra_headers)
         if current_token:
             headers["X-Access-Token"] = current_token
-        r = await self.http.post(self.base_url + "/init", json=body, headers=headers)
+        deadline = time.monotonic() + wait
+        while True:
+            body["timestamp"] = _now_rfc3339()  # the clock envd sets: fresh per attempt
+            try:
+                r = await self.http.post(self.base_url + "/init", json=body, headers=headers,
+                                         timeout=httpx.Timeout(30.0, connect=1.0))
+                break
+            except (httpx.ConnectError, httpx.ConnectTimeout):
+                if alive is not None and not alive():
+                    raise EnvdError("the VM exited before envd answered") from None
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.02)
         if r.status_code != 204:
             raise EnvdError(f"/init answered {r.status_code}: {r.text[:200]}")
         self.token = access_token

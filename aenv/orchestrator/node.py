@@ -22,7 +22,7 @@ from ..guest.bootargs import guest_boot_args
 from ..network import EgressPolicy, NetworkSlot, SlotPool, cleanup_leftovers
 from ..runtime import VM, AttachError, Drive, RestoreOverrides, VMSpec, get_runtime
 from ..runtime import workdir as wd
-from ..runtime.ready import boot_until_ready, wait_for_envd
+from ..runtime.ready import boot_until_ready
 from ..storage import disk_layers, snapshot_store
 from ..storage.disks import Disk, create_disk
 from ..storage.images import Image, ensure_base_image
@@ -145,16 +145,17 @@ class NodeMachines:
             vm = await self.runtime.restore(directory, RestoreOverrides(
                 vm_id=rec.id, workdir=workdir, netns=slot.netns))
             t_vm = time.monotonic()
-            url = f"http://{slot.host_ip}:{ENVD_PORT}"
-            await wait_for_envd(url, ENVD_READY_TIMEOUT_S, vm=vm)
-            t_envd = time.monotonic()
-            await self._init_envd(url, rec, template, restored=True)
+            # No /health first: the guest's envd was running when it was captured, and the
+            # first /init that connects is the readiness check (one round trip fewer per
+            # child of a fork, where every guest competes for the host's cores).
+            await self._init_envd(f"http://{slot.host_ip}:{ENVD_PORT}", rec, template,
+                                  restored=True, vm=vm)
         except BaseException:
             await self._abandon(vm, workdir, slot)
             raise
         self._running[rec.id] = _Running(vm, slot, None)
-        timing = {"slot": t_slot - t0, "restore": t_vm - t_slot, "envd": t_envd - t_vm,
-                  "envd_init": time.monotonic() - t_envd}
+        timing = {"slot": t_slot - t0, "restore": t_vm - t_slot,
+                  "envd_init": time.monotonic() - t_vm}
         log.info("sandbox %s: restored from %s into slot %d, %s", rec.id, directory.name,
                  slot.index, " ".join(f"{k}={v * 1000:.0f}ms" for k, v in timing.items()),
                  extra={"sandbox_id": rec.id, "op": "restore",
@@ -209,18 +210,21 @@ class NodeMachines:
                          restored_from=backing)
 
     async def _init_envd(self, url: str, rec: SandboxRecord, template: TemplateRecord, *,
-                         restored: bool) -> None:
+                         restored: bool, vm: VM | None = None) -> None:
         """Hand the guest its identity. After a restore the clock is as old as the snapshot
         and the RNG state is shared with every other restore of it: /init fixes both, and
-        the token inside the snapshot authorises handing over this sandbox's. A cold boot
-        then runs the template's start command."""
+        the token inside the snapshot authorises handing over this sandbox's. With ``vm``
+        (a restore) this also waits for envd to accept. A cold boot then runs the
+        template's start command."""
         envd = EnvdClient(url)
         try:
             await envd.init(access_token=rec.envd_token, env_vars=rec.env_vars,
                             default_user=template.user or "user",
                             default_workdir=template.workdir,
                             current_token=template.envd_token if restored else None,
-                            entropy=os.urandom(64))
+                            entropy=os.urandom(64),
+                            wait=ENVD_READY_TIMEOUT_S if vm else 0.0,
+                            alive=vm.is_alive if vm else None)
             if not restored and template.start_cmd:
                 await self._start_command(envd, template)
         finally:
