@@ -1,12 +1,13 @@
 """``SlotPool``: hands out network slots, keeps a few warm, recycles released ones.
 
-Indices come from the range ``Addressing`` allows. A small number of slots (``warm_size``,
-default ``Settings.warm_slots``) is kept created ahead of demand by one background thread,
-so ``acquire`` is usually a list pop plus, only for a non-default egress policy, one nft
-call. ``release`` checks synchronously that the VMM let go of the tap, then the background
-thread cleans the slot (default policy, conntrack flushed in the namespace and for its host
-address on the host) and either keeps it warm or destroys it and frees the index; a slot is
-never handed out again before that cleaning finished.
+Indices come from the range ``Addressing`` allows, never-used ones first, then the one freed
+longest ago. A small number of slots (``warm_size``, default ``Settings.warm_slots``) is kept
+created ahead of demand by one background thread, so ``acquire`` is usually a list pop plus,
+only for a non-default egress policy, one nft call. ``release`` checks synchronously that the
+VMM let go of the tap, then the background thread cleans the slot (default policy, conntrack
+flushed in the namespace and for its host address on the host) and either keeps it warm or
+destroys it and frees the index; a slot is never handed out again before that cleaning
+finished.
 
 Every method is thread-safe and blocking; from asyncio call them through
 ``asyncio.to_thread``. Run ``cleanup_leftovers`` before ``start`` after a crash, and give
@@ -16,7 +17,6 @@ Every method is thread-safe and blocking; from asyncio call them through
 from __future__ import annotations
 
 import collections
-import heapq
 import logging
 import threading
 import time
@@ -49,9 +49,10 @@ class SlotPool:
         self._leased: dict[int, NetworkSlot] = {}
         self._dirty: collections.deque[NetworkSlot] = collections.deque()
         self._reserved: set[int] = set()   # indices in use by someone, not free
-        self._recycled: list[int] = []     # freed indices, lowest first
+        self._recycled: collections.deque[int] = collections.deque()  # freed, oldest first
         self._next_fresh = 1
         self._creating = 0
+        self._cleaning = 0  # released slots taken off _dirty and not yet warm or freed
         self._started = False
         self._closed = False
         self._worker: threading.Thread | None = None
@@ -173,7 +174,7 @@ class SlotPool:
         """Block until the warm pool is full (for benchmarks and tests)."""
         deadline = time.monotonic() + timeout
         with self._cv:
-            while len(self._warm) < self.warm_size or self._dirty:
+            while len(self._warm) < self.warm_size or self._dirty or self._cleaning:
                 left = deadline - time.monotonic()
                 if left <= 0 or self._closed:
                     return False
@@ -197,15 +198,18 @@ class SlotPool:
         raise PoolClosedError("slot pool is closed")
 
     def _take_index(self) -> int:
-        """Lowest free index (caller holds the lock)."""
-        while self._recycled:
-            index = heapq.heappop(self._recycled)
-            if index not in self._reserved:
-                self._reserved.add(index)
-                return index
+        """A never-used index while any is left, else the one freed longest ago (caller
+        holds the lock). An address goes as long as it can before a new sandbox answers on
+        it, so a client still holding keep-alive connections to the old one, or a stray
+        packet for it, meets a reset as rarely as the range allows."""
         while self._next_fresh <= self.addressing.capacity:
             index = self._next_fresh
             self._next_fresh += 1
+            if index not in self._reserved:
+                self._reserved.add(index)
+                return index
+        while self._recycled:
+            index = self._recycled.popleft()
             if index not in self._reserved:
                 self._reserved.add(index)
                 return index
@@ -214,7 +218,8 @@ class SlotPool:
     def _free_index(self, index: int) -> None:
         with self._cv:
             self._reserved.discard(index)
-            heapq.heappush(self._recycled, index)
+            if index < self._next_fresh:  # a higher one is still ahead of the fresh count
+                self._recycled.append(index)
             self._cv.notify_all()
 
     def _retire(self, slot: NetworkSlot) -> None:
@@ -234,7 +239,9 @@ class SlotPool:
                     return
                 dirty = self._dirty.popleft() if self._dirty else None
                 index = None
-                if dirty is None:
+                if dirty is not None:
+                    self._cleaning += 1
+                else:
                     try:
                         index = self._take_index()
                     except PoolExhaustedError:
@@ -242,7 +249,12 @@ class SlotPool:
                         continue
                     self._creating += 1
             if dirty is not None:
-                self._recycle(dirty)
+                try:
+                    self._recycle(dirty)
+                finally:
+                    with self._cv:
+                        self._cleaning -= 1
+                        self._cv.notify_all()
             else:
                 self._fill(index)
 

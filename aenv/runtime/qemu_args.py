@@ -51,12 +51,15 @@ def netns_path(netns: str) -> Path:
 
 
 def kernel_cmdline(spec: VMSpec, accel: Accel) -> str:
-    """``spec.boot_args`` plus, under TCG, each ``TCG_KERNEL_ARGS`` key it does not set."""
-    tokens = spec.boot_args.split()
-    if accel == "tcg":
-        keys = {t.split("=", 1)[0] for t in tokens}
-        tokens += [a for a in TCG_KERNEL_ARGS if a.split("=", 1)[0] not in keys]
-    return " ".join(tokens)
+    """``spec.boot_args`` plus, under TCG, what ``with_tcg_args`` adds."""
+    return with_tcg_args(spec.boot_args) if accel == "tcg" else spec.boot_args
+
+
+def with_tcg_args(boot_args: str) -> str:
+    """``boot_args`` plus each ``TCG_KERNEL_ARGS`` key it does not set."""
+    tokens = boot_args.split()
+    keys = {t.split("=", 1)[0] for t in tokens}
+    return " ".join(tokens + [a for a in TCG_KERNEL_ARGS if a.split("=", 1)[0] not in keys])
 
 
 def build_argv(

@@ -20,6 +20,7 @@ import httpx
 
 from aenv.guest.bootargs import guest_boot_args
 from aenv.guest.markers import first_times
+from aenv.runtime.qemu_args import with_tcg_args
 from aenv.storage.images import Image
 from aenv.storage.kernel import Kernel
 from tests.conftest import free_port
@@ -84,7 +85,8 @@ def boot(
 ) -> BootedGuest:
     port = free_port()
     console = workdir / f"console-{port}.log"
-    cmdline = guest_boot_args(kernel, extra=extra_args)
+    # The harness always runs TCG, so it adds what the qemu driver adds under TCG.
+    cmdline = with_tcg_args(guest_boot_args(kernel, extra=extra_args))
     if init_args:
         cmdline += " -- " + " ".join(init_args)
     argv = [

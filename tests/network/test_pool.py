@@ -130,7 +130,16 @@ def test_released_slots_beyond_the_warm_size_are_destroyed(pool_factory):
     pool.release(slot)
     assert pool.wait_warm()
     assert not ns.exists(slot.netns)
-    assert pool.acquire().index == slot.index  # its index is free again
+    assert pool.acquire().index != slot.index  # a never-used index comes first
+
+
+def test_a_freed_index_is_used_again_once_none_is_fresh_oldest_first(pool_factory):
+    pool = pool_factory(warm=0, host_cidr=TINY_HOST_CIDR, veth_cidr=TINY_VETH_CIDR)
+    slots = [pool.acquire() for _ in range(pool.addressing.capacity)]
+    pool.release(slots[2])
+    pool.release(slots[0])
+    assert pool.wait_warm()
+    assert [pool.acquire().index, pool.acquire().index] == [slots[2].index, slots[0].index]
 
 
 def test_exhausted_range_raises(pool_factory):

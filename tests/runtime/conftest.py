@@ -204,7 +204,6 @@ async def restore_guest(name: str, snapshot_dir: Path, settings: Settings, pool:
                     else snapshot_dir / "rootfs.qcow2")
         guest = Guest(vm=vm, slot=slot, disk=disk, phases=None, token=token)
         guest.control_plane = FakeControlPlane(guest, token)
-        _drop_stale_connections(guest)
         return guest
     except BaseException:
         if vm is not None:
@@ -212,32 +211,6 @@ async def restore_guest(name: str, snapshot_dir: Path, settings: Settings, pool:
         wd.remove(workdir)
         await asyncio.to_thread(pool.release, slot)
         raise
-
-
-def _drop_stale_connections(guest: Guest, clean: int = 4, attempts: int = 24) -> None:
-    """The SDK pools keep-alive connections per host address for the whole process. A slot
-    recycled within a test session gives a new guest the address of a dead one, whose
-    pooled connections the new guest answers with a reset; spend those here, until
-    ``clean`` calls in a row succeed on each kind of request (the SDK keeps separate pools
-    for RPCs, uploads and downloads)."""
-    import httpx
-    from connectrpc.errors import ConnectError
-
-    calls = (lambda: guest.sandbox().commands.run("true"),
-             lambda: guest.sandbox().files.write("/tmp/.pool-warmup", "x"),
-             lambda: guest.sandbox().files.read("/tmp/.pool-warmup"))
-    for call in calls:
-        streak = 0
-        for _ in range(attempts):
-            try:
-                call()
-                streak += 1
-                if streak == clean:
-                    break
-            except (ConnectError, httpx.TransportError):
-                streak = 0
-        else:
-            call()
 
 
 async def destroy_guest(guest: Guest, pool: SlotPool) -> None:
