@@ -80,9 +80,8 @@ IFACE_ID = "eth0"
 API_TIMEOUT = 5.0  # seconds from spawn until the API socket must answer
 LOAD_TIMEOUT = 60.0  # PUT /snapshot/load (maps memory, restores devices)
 SNAPSHOT_TIMEOUT = 600.0  # PUT /snapshot/create writes (up to) all of guest RAM
-# Kernel arguments the shared guest command line carries for QEMU under TCG. Firecracker
-# always runs on KVM, where the guest uses kvm-clock, and a TSC frequency fixed at the CI
-# host's value would be wrong on any other host.
+# Kernel arguments that only QEMU under TCG should give a guest (``qemu_args``), dropped if a
+# caller passes them: Firecracker always runs on KVM, where the guest uses kvm-clock.
 _TCG_ONLY_ARGS = ("tsc_early_khz=", "tsc=reliable")
 _ELF_MAGIC = b"\x7fELF"
 

@@ -32,17 +32,25 @@ from pathlib import Path
 
 from . import workdir as wd
 from .base import Accel, VMSpec
+from .tsc import host_tsc_khz
 
 QEMU_BINARY = "qemu-system-x86_64"
 NETNS_DIR = Path("/run/netns")
 
 # Kernel arguments every guest gets under TCG (the host's accelerator decides, so the shared
-# command line of ``aenv.guest.bootargs`` leaves them out). The TSC frequency is given because,
-# under TCG on a loaded host, the guest's PIT calibration of the TSC fails now and then and
-# the guest then hangs for good; with these two arguments no boot failed. An emulated CPU
-# does not speculate, so the guest kernel's Spectre/Meltdown mitigations only cost time
-# (retpolines, RSB filling on every context switch): off, about 0.1 s of a boot.
-TCG_KERNEL_ARGS = ("tsc_early_khz=2596000", "tsc=reliable", "mitigations=off")
+# command line of ``aenv.guest.bootargs`` leaves them out). The TSC frequency is the host's
+# (``aenv.runtime.tsc``: under TCG the guest reads the host's TSC) because, under TCG on a
+# loaded host, the guest's PIT calibration of the TSC fails now and then and the guest then
+# hangs for good; with the frequency given no boot failed. An emulated CPU does not
+# speculate, so the guest kernel's Spectre/Meltdown mitigations only cost time (retpolines,
+# RSB filling on every context switch): off, about 0.1 s of a boot.
+TCG_KERNEL_ARGS = ("tsc=reliable", "mitigations=off")
+
+
+def tcg_kernel_args(tsc_khz: int | None = None) -> tuple[str, ...]:
+    """``TCG_KERNEL_ARGS`` plus ``tsc_early_khz`` at ``tsc_khz`` (default: the host's)."""
+    khz = tsc_khz if tsc_khz is not None else host_tsc_khz()
+    return (f"tsc_early_khz={khz}", *TCG_KERNEL_ARGS) if khz else TCG_KERNEL_ARGS
 
 
 def netns_path(netns: str) -> Path:
@@ -55,11 +63,12 @@ def kernel_cmdline(spec: VMSpec, accel: Accel) -> str:
     return with_tcg_args(spec.boot_args) if accel == "tcg" else spec.boot_args
 
 
-def with_tcg_args(boot_args: str) -> str:
-    """``boot_args`` plus each ``TCG_KERNEL_ARGS`` key it does not set."""
+def with_tcg_args(boot_args: str, tsc_khz: int | None = None) -> str:
+    """``boot_args`` plus each ``tcg_kernel_args`` key it does not set."""
     tokens = boot_args.split()
     keys = {t.split("=", 1)[0] for t in tokens}
-    return " ".join(tokens + [a for a in TCG_KERNEL_ARGS if a.split("=", 1)[0] not in keys])
+    extra = [a for a in tcg_kernel_args(tsc_khz) if a.split("=", 1)[0] not in keys]
+    return " ".join(tokens + extra)
 
 
 def build_argv(

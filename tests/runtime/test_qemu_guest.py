@@ -59,6 +59,26 @@ def test_guest_disks_are_independent(guest_a: Guest, guest_b: Guest) -> None:
     assert guest_a.disk.path != guest_b.disk.path
 
 
+def test_the_guest_clock_keeps_the_hosts_pace(guest_a: Guest) -> None:
+    """Under TCG the guest counts the host's TSC at the rate it was told at boot; a wrong
+    rate (a frequency fixed for another CPU) made guests gain seconds per minute."""
+    sbx = guest_a.sandbox()
+
+    def offset() -> float:
+        # The guest read its clock before the host's second reading: the largest of a few
+        # (guest - host after) is the closest to the true offset.
+        best = -1e9
+        for _ in range(3):
+            guest = float(sbx.commands.run("date +%s.%N").stdout)
+            best = max(best, guest - time.time())
+        return best
+
+    first = offset()
+    time.sleep(6)
+    drift = offset() - first
+    assert abs(drift) < 0.15, f"guest clock drifted {drift:+.3f}s in ~8s"
+
+
 def health(url: str, timeout: float = 0.5) -> int | None:
     try:
         return httpx.get(url + "/health", timeout=timeout).status_code
