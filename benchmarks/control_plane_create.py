@@ -21,8 +21,8 @@ and left out of the percentiles.
 (phases slot, restore, envd, envd_init).
 
 ``control_plane`` is api + orchestrator + slot + disk + prepare: everything except starting
-the VMM, the guest's boot (or restore) and the round trips to envd. ``client_gap`` is wall time minus the
-sum of all phases (HTTP, JSON, uvicorn, the client). The goal is a control plane under
+the VMM, the guest's boot (or restore) and the round trips to envd. ``client_gap`` is wall time
+minus the sum of all phases (HTTP, JSON, uvicorn, the client). The goal is a control plane under
 5 ms p50 (``goal_met``).
 
 Clean-up, also on failure: every sandbox is killed through the API, the server gets SIGTERM,

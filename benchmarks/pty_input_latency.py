@@ -20,10 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import Envd, emit, summary  # noqa: E402
-
-from aenv.client.api import ApiClient  # noqa: E402
-from aenv.client.envd import EnvdClient, PtySize  # noqa: E402
+from aenv.client.api import ApiClient
+from aenv.client.envd import EnvdClient, PtySize
+from benchmarks._common import Envd, emit, summary
 
 
 async def keystrokes(envd: EnvdClient, mode: str, n: int) -> list[float]:

@@ -86,8 +86,8 @@ async def main() -> None:
         Settings.from_env(), name_prefix=f"ab{os.getpid() % 10000:04d}",
         host_cidr="10.98.0.0/24", veth_cidr="10.98.1.0/24", warm_slots=1,
     )
-    flavors = args.flavor or ["cloud"] + sorted(
-        {k.flavor for k in list_kernels(settings)} - {"cloud"})
+    flavors = args.flavor or ["cloud", *sorted(
+        {k.flavor for k in list_kernels(settings)} - {"cloud"})]
     accel = host_accel()
     pool = SlotPool(settings, warm_size=1)
     pool.start()

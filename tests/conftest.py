@@ -75,7 +75,7 @@ class Envd:
     def __init__(self, *extra: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(f"/tmp/aenv-test-envd-{self.port}.log", "wb")
+        self.log = open(f"/tmp/aenv-test-envd-{self.port}.log", "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [PYTHON, "-m", "aenv.envd", "--host", "127.0.0.1", "--port", str(self.port), *extra],
             cwd=ROOT,

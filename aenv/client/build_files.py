@@ -143,7 +143,7 @@ def files_hash(src: str, dest: str, context: Path, ignore: list[str]) -> str:
 
 def tar_archive(src: str, context: Path, ignore: list[str]) -> tuple[IO[bytes], int]:
     """(archive positioned at its start, its size); closing it deletes it."""
-    archive = tempfile.TemporaryFile()
+    archive = tempfile.TemporaryFile()  # noqa: SIM115 - returned open; the caller closes it
     try:
         with tarfile.open(fileobj=archive, mode="w:gz", dereference=False) as tar:
             for path in select_files(src, context, ignore):

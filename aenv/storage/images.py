@@ -66,7 +66,8 @@ def ensure_base_image(
         "suite": debian.DEBIAN_SUITE, "mirror": debian.DEBIAN_MIRROR, "include": packages,
     })
     digest = _image_digest(
-        BASE_NAME, {"kind": "debian-base", "tree": tree_key}, kernel_flavor, kernel, True, size_bytes
+        BASE_NAME, {"kind": "debian-base", "tree": tree_key}, kernel_flavor, kernel, True,
+        size_bytes,
     )
 
     def populate(tree: Path) -> None:
@@ -107,7 +108,8 @@ def build_image(
     )
     kind, source_digest = _source_digest(source)
     digest = _image_digest(
-        name, {"kind": kind, "source": source_digest}, kernel_flavor, kernel, guest_layer, size_bytes
+        name, {"kind": kind, "source": source_digest}, kernel_flavor, kernel, guest_layer,
+        size_bytes,
     )
 
     def populate(tree: Path) -> None:

@@ -235,9 +235,9 @@ class ModuleTree:
             if name in order or name in self.builtin:
                 return
             if name in chain:
-                raise KernelError(f"module dependency cycle: {' -> '.join(chain + (name,))}")
+                raise KernelError(f"module dependency cycle: {' -> '.join((*chain, name))}")
             for dep in self.depends(name):
-                visit(dep, chain + (name,))
+                visit(dep, (*chain, name))
             order.append(name)
 
         for name in wanted:

@@ -71,7 +71,7 @@ def _check_name(name: str) -> str:
 def apply_layer(root: Path, tar_path: Path, *, whiteouts: bool = False) -> None:
     """Unpack ``tar_path`` (any compression tarfile reads) onto ``root``."""
     try:
-        tf = tarfile.open(tar_path, "r:*")
+        tf = tarfile.open(tar_path, "r:*")  # noqa: SIM115 - closed by `with tf` below
     except (tarfile.TarError, OSError) as e:
         raise LayerError(f"{tar_path}: not a readable tar archive: {e}") from e
     with tf:

@@ -73,7 +73,7 @@ def _from_layout(root: Path) -> OciImage:
     manifest = json.loads(_blob(root, descriptor["digest"]).read_bytes())
     config = json.loads(_blob(root, manifest["config"]["digest"]).read_bytes())
     layers = [_blob(root, layer["digest"]) for layer in manifest.get("layers", [])]
-    for layer, desc in zip(layers, manifest.get("layers", [])):
+    for layer, desc in zip(layers, manifest.get("layers", []), strict=True):
         _verify(layer, desc["digest"])
     return OciImage(descriptor["digest"], layers, config.get("config") or {})
 

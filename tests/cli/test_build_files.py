@@ -61,11 +61,12 @@ def test_hash_changes_with_content_and_destination(context: Path) -> None:
 
 def test_archive_holds_what_the_sdk_archive_holds(context: Path) -> None:
     archive, size = tar_archive(".", context, [])
-    with archive:
+    with archive, tarfile.open(fileobj=archive) as ours:
         assert size == os.fstat(archive.fileno()).st_size
-        ours = tarfile.open(fileobj=archive)
-        with sdk.tar_file_stream(".", str(context), [], False, True) as theirs_file:
-            theirs = tarfile.open(fileobj=theirs_file)
+        with (
+            sdk.tar_file_stream(".", str(context), [], False, True) as theirs_file,
+            tarfile.open(fileobj=theirs_file) as theirs,
+        ):
             assert ours.getnames() == theirs.getnames()
         link = ours.getmember("link")
         assert link.issym() and link.linkname == "a.txt"

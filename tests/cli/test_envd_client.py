@@ -53,7 +53,7 @@ async def test_kill_ends_the_process_and_reports_unknown_pids(envd: EnvdClient) 
     async with contextlib.aclosing(events):
         pid = (await anext(events)).pid
         assert await envd.kill(pid) is True
-        end = [e async for e in events if e.kind == "end"][0]
+        (end,) = [e async for e in events if e.kind == "end"]
     assert end.exit_code == -1 and end.status == "signal: killed"
     assert await envd.kill(pid) is False
 

@@ -40,7 +40,8 @@ def test_network_hostname_and_dns_come_from_the_kernel_command_line(guest):
 
 
 def test_api_filesystems_are_mounted(guest):
-    mounts = {line.split()[1]: line.split()[2] for line in sh(guest, "cat /proc/mounts").splitlines()}
+    mounts = {line.split()[1]: line.split()[2]
+              for line in sh(guest, "cat /proc/mounts").splitlines()}
     assert mounts["/"] == "ext4"
     for point, fstype in [("/proc", "proc"), ("/sys", "sysfs"), ("/dev", "devtmpfs"),
                           ("/dev/pts", "devpts"), ("/dev/shm", "tmpfs"), ("/run", "tmpfs"),

@@ -40,7 +40,7 @@ def _server_pids(log) -> list[int]:
 
 
 def test_killed_server_is_forked_again_and_answers(launcher):
-    proc, url, log = launcher
+    _proc, url, log = launcher
     (first,) = _server_pids(log)
     os.kill(first, signal.SIGKILL)
     t0 = time.monotonic()
