@@ -1,10 +1,14 @@
 """Helpers shared by the benchmark scripts: latency summaries, the one-JSON-object output,
 an envd started on the host for the length of a benchmark, a server started in a child
-process (``spawn_child``), and the parsing of a create's ``Server-Timing`` header.
+process (``spawn_child``).
 
 Each benchmark prints exactly one JSON object on stdout (figures in milliseconds unless a
 key says otherwise); progress and notes go to stderr. Timings on the shared 2-core
-development machine are noisy: compare runs, not single numbers.
+development machine are noisy: compare runs, not single numbers. To make runs comparable
+across machines and days, ``emit`` adds a ``host`` block: the CPU, the load, the share of
+CPU time the hypervisor stole while the benchmark ran, and ``speed_ref_ms`` (a fixed
+pure-Python loop timed when this module was imported and again at the end; on one machine
+it has been seen to vary by 50 % within an hour, which moves every TCG figure with it).
 """
 
 from __future__ import annotations
@@ -39,9 +43,47 @@ def summary(ms: list[float]) -> dict[str, float]:
             "min": round(min(ms), 2), "max": round(max(ms), 2)}
 
 
+def speed_ref_ms(loops: int = 1_000_000) -> float:
+    """Best of three timings of a fixed pure-Python loop (ms): a CPU speed reference."""
+    best = math.inf
+    for _ in range(3):
+        t0 = time.perf_counter()
+        total = 0
+        for i in range(loops):
+            total += i
+        best = min(best, time.perf_counter() - t0)
+    return round(best * 1000, 1)
+
+
+def _cpu_times() -> list[int]:
+    """The aggregate ``cpu`` line of /proc/stat (user nice system idle iowait irq softirq
+    steal ...), in clock ticks."""
+    with open("/proc/stat") as f:
+        return [int(x) for x in f.readline().split()[1:]]
+
+
+_BEGIN = (_cpu_times(), speed_ref_ms())
+
+
+def host_conditions() -> dict[str, Any]:
+    """What the host was like while the benchmark ran (see the module docstring)."""
+    before, ref_begin = _BEGIN
+    delta = [b - a for a, b in zip(before, _cpu_times(), strict=False)]
+    total = sum(delta[:8]) or 1
+    idle = delta[3] + delta[4]
+    steal = delta[7] if len(delta) > 7 else 0
+    with open("/proc/cpuinfo") as f:
+        model = next((line.split(":", 1)[1].strip() for line in f
+                      if line.startswith("model name")), "unknown")
+    return {"cpu": model, "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
+            "steal_pct": round(100 * steal / total, 1),
+            "busy_pct": round(100 * (total - idle - steal) / total, 1),
+            "speed_ref_ms": {"begin": ref_begin, "end": speed_ref_ms()}}
+
+
 def emit(result: dict[str, Any]) -> None:
-    """Print the benchmark's one JSON object."""
-    json.dump(result, sys.stdout, indent=2)
+    """Print the benchmark's one JSON object, with ``host`` conditions added."""
+    json.dump({**result, "host": host_conditions()}, sys.stdout, indent=2)
     sys.stdout.write("\n")
 
 
@@ -157,15 +199,3 @@ def spawn_child(argv: list[str], health_url: str, *, log_path: Path | None = Non
     tail = log_path.read_text(errors="replace")[-3000:] if log_path is not None else ""
     raise RuntimeError(f"{argv[:4]} did not answer {health_url} (exit {proc.returncode})\n"
                        f"{tail}")
-
-
-def parse_server_timing(header: str) -> dict[str, float]:
-    """``api;dur=1.2, slot;dur=0.3`` -> ``{"api": 1.2, "slot": 0.3}`` (milliseconds)."""
-    phases: dict[str, float] = {}
-    for entry in header.split(","):
-        name, *params = (part.strip() for part in entry.split(";"))
-        for param in params:
-            key, _, value = param.partition("=")
-            if name and key == "dur":
-                phases[name] = float(value)
-    return phases

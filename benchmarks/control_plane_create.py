@@ -52,7 +52,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from aenv.config import Settings
-from benchmarks._common import emit, parse_server_timing, summary
+from aenv.orchestrator.timing import parse_server_timing
+from benchmarks._common import emit, summary
 from benchmarks._server import VMServer, leftovers, log
 
 PHASES = ("api", "orchestrator", "slot", "disk", "prepare", "vmm", "kernel", "init", "restore",

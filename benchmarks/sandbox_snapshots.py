@@ -11,10 +11,17 @@ operation ``--n`` times on a sandbox that holds a background process and a file:
   server answers only after envd ran ``/init``);
 - ``pause`` (``POST .../pause`` → 204) and ``resume`` (``POST /v2/.../connect`` → 201);
 - ``snapshot``: ``POST .../snapshots`` of a running sandbox (→ 201);
-- ``fork16``: ``POST .../fork {"count": 16}`` of a fresh sandbox (restored from base, one
-  process running) until the answer, which comes once every child has been restored and
-  its envd initialised (``--forks`` rounds; the children are killed between rounds);
-  ``fork16_quiet``: the same from a sandbox that ran one command and holds a file only.
+- ``fork16``: ``POST .../fork {"count": 16}`` of a fresh sandbox (restored from base) that
+  holds a file and runs a process (a loop that writes the time once a second, mostly
+  asleep), until the answer, which comes once every child has been restored and its envd
+  initialised (``--forks`` rounds; the children are killed between rounds);
+  ``fork16_quiet``: the same from a sandbox that holds the file only; ``fork16_busy``: from
+  one whose loop ticks every 0.1 s. Under TCG each tick execs two programs in every child,
+  about half a core per child here, so with 17 guests on 2 cores this one measures CPU
+  contention more than the fork.
+- ``*_phases``: the server's own breakdown from the ``Server-Timing`` header (p50 over the
+  rounds): a resume's ``slot``/``restore``/``envd_init``; a fork's ``capture``,
+  ``children`` (restores and inits, wall) and the median and slowest child per phase.
 
 The runtime-level figures (freeze time, 256 MiB vs 2 GiB, memory per child) are
 ``benchmarks/vm_snapshot.py``. Output: one JSON object, milliseconds. The host has 2 shared
@@ -38,24 +45,42 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from aenv.config import Settings
+from aenv.orchestrator.timing import parse_server_timing
 from benchmarks._common import emit, summary
 from benchmarks._server import VMServer, leftovers, log
 
-SETUP = ("nohup bash -c 'while true; do date +%s%N > /tmp/tick; sleep 0.1; done' "
-         ">/dev/null 2>&1 & echo state > /home/user/state.txt")
-# The same file, no process: under TCG each child is a fresh QEMU with an empty translation
-# cache, so a source whose loop keeps exec-ing costs every child that code's translation.
-QUIET = "echo state > /home/user/state.txt"
+STATE = "echo state > /home/user/state.txt"
 
 
-def timed(fn: Callable[[], httpx.Response], status: int) -> float:
+def ticking(period: str) -> str:
+    """A file plus a background loop writing the time every ``period`` seconds."""
+    return (f"nohup bash -c 'while true; do date +%s%N > /tmp/tick; sleep {period}; done' "
+            f">/dev/null 2>&1 & {STATE}")
+
+
+# Fork sources. Under TCG each child is a fresh QEMU with an empty translation cache, and
+# every program its guest execs costs it that code's translation again.
+FORK_SOURCES = {"fork16": ticking("1"), "fork16_quiet": STATE, "fork16_busy": ticking("0.1")}
+
+
+def timed(fn: Callable[[], httpx.Response], status: int,
+          phases: list[dict[str, float]] | None = None) -> float:
+    """Client wall time of ``fn()`` (ms); its ``Server-Timing`` goes to ``phases``."""
     t0 = time.perf_counter()
     r = fn()
     ms = (time.perf_counter() - t0) * 1000
     if r.status_code != status:
         raise RuntimeError(f"{r.request.method} {r.request.url.path} answered "
                            f"{r.status_code}: {r.text[:300]}")
+    if phases is not None:
+        phases.append(parse_server_timing(r.headers.get("server-timing", "")))
     return ms
+
+
+def phase_p50s(rows: list[dict[str, float]]) -> dict[str, float]:
+    """p50 per phase over ``Server-Timing`` rows (ms)."""
+    keys = dict.fromkeys(k for row in rows for k in row)
+    return {k: summary([row[k] for row in rows if k in row])["p50"] for k in keys}
 
 
 def create(api: httpx.Client) -> tuple[str, float]:
@@ -85,43 +110,49 @@ def run_in(api: httpx.Client, srv: VMServer, sid: str, token: str | None, cmd: s
 
 def measure(srv: VMServer, n: int, forks: int) -> dict[str, Any]:
     out: dict[str, list[float]] = {"create_restore": [], "pause": [], "resume": [],
-                                   "snapshot": [], "fork16": [], "fork16_quiet": []}
+                                   "snapshot": []}
+    phases: dict[str, list[dict[str, float]]] = {"resume": []}
     with srv.api() as api:
         create(api)  # warm-up: first restore maps the snapshot cold
         sid, _ = create(api)
         token = api.get(f"/sandboxes/{sid}").json().get("envdAccessToken")
-        run_in(api, srv, sid, token, SETUP)
+        run_in(api, srv, sid, token, ticking("0.1"))
         for i in range(n):
             child, ms = create(api)
             out["create_restore"].append(ms)
             api.delete(f"/sandboxes/{child}")
             out["pause"].append(timed(lambda: api.post(f"/sandboxes/{sid}/pause", json={}), 204))
             out["resume"].append(timed(
-                lambda: api.post(f"/v2/sandboxes/{sid}/connect", json={"timeout": 600}), 201))
+                lambda: api.post(f"/v2/sandboxes/{sid}/connect", json={"timeout": 600}), 201,
+                phases["resume"]))
             out["snapshot"].append(timed(
                 lambda: api.post(f"/sandboxes/{sid}/snapshots", json={}), 201))
             log(f"round {i + 1}/{n}: create {out['create_restore'][-1]:.0f} ms, pause "
                 f"{out['pause'][-1]:.0f}, resume {out['resume'][-1]:.0f}, snapshot "
                 f"{out['snapshot'][-1]:.0f}")
         # Forks start from a fresh sandbox (restored from base), as an RL rollout does, not
-        # from the one snapshotted above: once with a process running, once quiet.
-        for key, cmd in (("fork16", SETUP), ("fork16_quiet", QUIET)):
+        # from the one snapshotted above.
+        for key, cmd in FORK_SOURCES.items():
             src, _ = create(api)
             run_in(api, srv, src, api.get(f"/sandboxes/{src}").json().get("envdAccessToken"),
                    cmd)
-            out[key] = fork_rounds(api, src, forks, key)
+            phases[key] = []
+            out[key] = fork_rounds(api, src, forks, key, phases[key])
             api.delete(f"/sandboxes/{src}")
         for s in api.get("/snapshots").json():
             api.delete(f"/templates/{s['snapshotID']}")
-    return {k: summary(v) for k, v in out.items() if v}
+    return {**{k: summary(v) for k, v in out.items() if v},
+            **{f"{k}_phases": phase_p50s(rows) for k, rows in phases.items() if rows}}
 
 
-def fork_rounds(api: httpx.Client, src: str, rounds: int, key: str) -> list[float]:
+def fork_rounds(api: httpx.Client, src: str, rounds: int, key: str,
+                phases: list[dict[str, float]]) -> list[float]:
     walls = []
     for i in range(rounds):
         t0 = time.perf_counter()
         r = api.post(f"/sandboxes/{src}/fork", json={"count": 16}, timeout=600)
         walls.append((time.perf_counter() - t0) * 1000)
+        phases.append(parse_server_timing(r.headers.get("server-timing", "")))
         results = r.json()
         failed = [x for x in results if "error" in x]
         log(f"{key} round {i + 1}: {walls[-1]:.0f} ms, {len(failed)} failed")
@@ -176,8 +207,7 @@ def main() -> None:
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("sandbox_snapshots.py needs root (network namespaces, VMs)")
-    result: dict[str, Any] = {"benchmark": "sandbox_snapshots", "n": args.n,
-                              "load_before": os.getloadavg()}
+    result: dict[str, Any] = {"benchmark": "sandbox_snapshots", "n": args.n}
     result.update(with_server(Path(tempfile.mkdtemp(prefix="aenv-bench-snap-")), 92, (),
                               lambda s: measure(s, args.n, args.forks)))
     result["create_cold"] = with_server(Path(tempfile.mkdtemp(prefix="aenv-bench-cold-")), 90,

@@ -10,7 +10,6 @@ from fastapi import APIRouter, Body, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from ..orchestrator.service import DEFAULT_TIMEOUT_S, CreateOptions, Orchestrator
-from ..orchestrator.timing import server_timing
 from . import listing, views
 from .errors import ApiError
 from .models import (
@@ -60,8 +59,7 @@ async def _create(request: Request, body: NewSandbox, idem: str | None, v1: bool
     if received is not None:
         timings = {"api": t_handler - received + (time.perf_counter() - t_handler
                                                   - sum(timings.values())), **timings}
-    return JSONResponse(views.sandbox(rec, domain(request)), status_code=201,
-                        headers={"Server-Timing": server_timing(timings)})
+    return views.timed_json(views.sandbox(rec, domain(request)), 201, timings)
 
 
 @router.post("/v2/sandboxes")
@@ -138,8 +136,9 @@ async def refresh(request: Request, sandbox_id: str,
 
 
 async def _connect(request: Request, sandbox_id: str, timeout: int | None) -> Response:
-    rec, resumed = await orch(request).connect(sandbox_id, timeout)
-    return JSONResponse(views.sandbox(rec, domain(request)), status_code=201 if resumed else 200)
+    timings: dict[str, float] = {}
+    rec, resumed = await orch(request).connect(sandbox_id, timeout, timings)
+    return views.timed_json(views.sandbox(rec, domain(request)), 201 if resumed else 200, timings)
 
 
 @router.post("/v2/sandboxes/{sandbox_id}/connect")
@@ -158,8 +157,9 @@ async def connect_v1(request: Request, sandbox_id: str,
 async def resume(request: Request, sandbox_id: str,
                  body: Annotated[ResumeRequest | None, Body()] = None) -> Response:
     """Deprecated (SDK <= 2.3): 201 when resumed, 409 when already running."""
-    rec = await orch(request).resume(sandbox_id, body.timeout if body else None)
-    return JSONResponse(views.sandbox(rec, domain(request)), status_code=201)
+    timings: dict[str, float] = {}
+    rec = await orch(request).resume(sandbox_id, body.timeout if body else None, timings)
+    return views.timed_json(views.sandbox(rec, domain(request)), 201, timings)
 
 
 @router.post("/sandboxes/{sandbox_id}/pause", status_code=204)

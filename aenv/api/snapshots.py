@@ -56,8 +56,9 @@ async def get_snapshot(request: Request, snapshot_id: str) -> Response:
 async def fork(request: Request, sandbox_id: str,
                body: Annotated[ForkRequest | None, Body()] = None) -> Response:
     count = body.count if body and body.count is not None else 1
+    timings: dict[str, float] = {}
     results = await request.app.state.orchestrator.fork(
-        sandbox_id, count, body.timeout if body else None)
+        sandbox_id, count, body.timeout if body else None, timings)
     domain = request.app.state.domain
     out = []
     for r in results:
@@ -66,4 +67,4 @@ async def fork(request: Request, sandbox_id: str,
             out.append({"error": {"code": status, "message": str(r)}})
         else:
             out.append({"sandbox": views.sandbox(r, domain)})
-    return JSONResponse(out, status_code=201)
+    return views.timed_json(out, 201, timings)

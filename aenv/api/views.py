@@ -5,7 +5,10 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
+from fastapi.responses import JSONResponse
+
 from ..envd.state import ENVD_VERSION
+from ..orchestrator.timing import server_timing
 from ..store import SandboxRecord
 
 # The API folds aenv's lifecycle states into the two E2B knows.
@@ -19,6 +22,13 @@ _API_STATE = {
 def internal_states(api_states: set[str]) -> tuple[str, ...]:
     """The lifecycle states that the API shows as any of ``api_states``."""
     return tuple(k for k, v in _API_STATE.items() if v in api_states)
+
+
+def timed_json(body: Any, status: int, timings: dict[str, float]) -> JSONResponse:
+    """A JSON answer carrying ``timings`` (seconds per phase) as a ``Server-Timing`` header,
+    so clients and benchmarks see where the time of the operation went."""
+    headers = {"Server-Timing": server_timing(timings)} if timings else None
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def rfc3339(ts: float) -> str:

@@ -246,19 +246,25 @@ class Orchestrator:
         self.sandboxes.transition(rec.id, [state], "running", restored_from=ref)
         return ref
 
-    async def fork(self, sandbox_id: str, count: int,
-                   timeout: int | None = None) -> list[SandboxRecord | Exception]:
+    async def fork(self, sandbox_id: str, count: int, timeout: int | None = None,
+                   timings: dict[str, float] | None = None
+                   ) -> list[SandboxRecord | Exception]:
         """One capture of the running source, then ``count`` children restored from it at
-        once. Each child succeeds or fails alone; the source keeps its id and TTL."""
+        once. Each child succeeds or fails alone; the source keeps its id and TTL.
+        ``timings`` receives ``capture`` and ``children`` (wall seconds) and, per phase the
+        machines report for a child, its median and slowest (``restore_p50``,
+        ``restore_max``, ...) over the children that started."""
         if not 1 <= count <= self.limits.max_fork:
             raise InvalidRequest(f"count must be between 1 and {self.limits.max_fork}")
         self.get(sandbox_id)
         # A fork is one request whose children start together: not held to max_starting.
         self._check_capacity(count, starts=False)
+        t_capture = self.clock()
         async with self._lock(sandbox_id):
             src = self.get(sandbox_id)
             ref = await self._capture(src, "forking")
             src = self.get(sandbox_id)
+        capture = self.clock() - t_capture
         src_tpl = self.templates.get(src.template_id)
         # The children start from the capture; the template is only their family name.
         image = TemplateRecord(
@@ -283,7 +289,11 @@ class Orchestrator:
         t0 = self.clock()
         results = await asyncio.gather(*(self._start(c, image, ttl) for c in children),
                                        return_exceptions=True)
-        record_phases("fork", {"children": self.clock() - t0})
+        phases = {"capture": capture, "children": self.clock() - t0}
+        record_phases("fork", phases)
+        if timings is not None:
+            timings.update(phases)
+            timings.update(_spread([r for r in results if isinstance(r, dict)]))
         out: list[SandboxRecord | Exception] = []
         for child, result in zip(children, results, strict=True):
             out.append(result if isinstance(result, Exception) else self.get(child.id))
@@ -377,13 +387,14 @@ class Orchestrator:
 
     # -- connect / pause / resume ---------------------------------------------------------
 
-    async def connect(self, sandbox_id: str, timeout: int | None) -> tuple[SandboxRecord, bool]:
+    async def connect(self, sandbox_id: str, timeout: int | None,
+                      timings: dict[str, float] | None = None) -> tuple[SandboxRecord, bool]:
         """Running: extend the TTL if longer, return (rec, False). Paused: resume, return
-        (rec, True)."""
+        (rec, True); ``timings`` then receives the resume's phases (seconds)."""
         async with self._lock(sandbox_id):
             rec = self.get(sandbox_id)
             if rec.state == "paused":
-                await self._resume_locked(rec, timeout)
+                await self._resume_locked(rec, timeout, timings)
                 return self.get(sandbox_id), True
             if rec.state != "running":
                 raise Conflict(f"sandbox '{sandbox_id}' is {rec.state}")
@@ -400,12 +411,13 @@ class Orchestrator:
                 raise Conflict(f"sandbox '{sandbox_id}' is {rec.state}")
             await self._pause_locked(rec, memory)
 
-    async def resume(self, sandbox_id: str, timeout: int | None) -> SandboxRecord:
+    async def resume(self, sandbox_id: str, timeout: int | None,
+                     timings: dict[str, float] | None = None) -> SandboxRecord:
         async with self._lock(sandbox_id):
             rec = self.get(sandbox_id)
             if rec.state != "paused":
                 raise Conflict(f"sandbox '{sandbox_id}' is already running")
-            await self._resume_locked(rec, timeout)
+            await self._resume_locked(rec, timeout, timings)
         return self.get(sandbox_id)
 
     async def _pause_locked(self, rec: SandboxRecord, memory: bool) -> None:
@@ -430,7 +442,8 @@ class Orchestrator:
         )
         await self.collect_garbage()
 
-    async def _resume_locked(self, rec: SandboxRecord, timeout: int | None) -> None:
+    async def _resume_locked(self, rec: SandboxRecord, timeout: int | None,
+                             timings: dict[str, float] | None = None) -> None:
         if not self.sandboxes.transition(rec.id, ["paused"], "resuming"):
             raise Conflict(f"sandbox '{rec.id}' changed state")
         tpl = self.templates.get(rec.template_id)
@@ -448,6 +461,8 @@ class Orchestrator:
             raise
         now = self.clock()
         record_phases("resume", {"total": now - t0, **placement.phases})
+        if timings is not None:
+            timings.update(placement.phases)
         self.sandboxes.transition(
             rec.id, ["resuming"], "running", **_placed(placement), snapshot_id=None,
             end_at=now + (timeout if timeout is not None else DEFAULT_TIMEOUT_S),
@@ -520,6 +535,16 @@ class Orchestrator:
         if rec is not None:
             self.sandboxes.transition(sandbox_id, [rec.state], state, reason=reason,
                                       ended_at=self.clock(), vm_pid=None)
+
+
+def _spread(per_child: list[dict[str, float]]) -> dict[str, float]:
+    """``{phase}_p50`` and ``{phase}_max`` of each phase over the children's phase dicts."""
+    out: dict[str, float] = {}
+    for phase in dict.fromkeys(k for d in per_child for k in d):
+        values = sorted(d[phase] for d in per_child if phase in d)
+        out[f"{phase}_p50"] = values[(len(values) - 1) // 2]
+        out[f"{phase}_max"] = values[-1]
+    return out
 
 
 def _placed(p: Placement) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 Phases of a create: ``orchestrator`` (checks, store writes), then what the machines report
 (``slot``, ``disk``, ``prepare``, ``vmm``, ``kernel``, ``init``, ``envd``, ``envd_init``).
-The API adds ``api`` and returns all of them in a ``Server-Timing`` header.
+The API adds ``api`` and returns all of them in a ``Server-Timing`` header; resume, connect
+and fork answers carry their phases the same way (``parse_server_timing`` reads them back).
 """
 
 from __future__ import annotations
@@ -25,3 +26,15 @@ def record_phases(operation: str, phases: dict[str, float]) -> None:
 def server_timing(phases: dict[str, float]) -> str:
     """``Server-Timing`` header value (milliseconds, as the header wants)."""
     return ", ".join(f"{k};dur={v * 1000:.3f}" for k, v in phases.items())
+
+
+def parse_server_timing(header: str) -> dict[str, float]:
+    """``api;dur=1.2, slot;dur=0.3`` -> ``{"api": 1.2, "slot": 0.3}`` (milliseconds)."""
+    phases: dict[str, float] = {}
+    for entry in header.split(","):
+        name, *params = (part.strip() for part in entry.split(";"))
+        for param in params:
+            key, _, value = param.partition("=")
+            if name and key == "dur":
+                phases[name] = float(value)
+    return phases

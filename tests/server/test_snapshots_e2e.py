@@ -5,8 +5,11 @@ from __future__ import annotations
 import concurrent.futures
 import time
 
+import httpx
 import pytest
 from e2b import Sandbox
+
+from aenv.orchestrator.timing import parse_server_timing
 
 pytestmark = [pytest.mark.vm, pytest.mark.net]
 
@@ -163,3 +166,32 @@ def test_ttl_pauses_and_traffic_resumes_when_asked_to(sdk) -> None:
         assert Sandbox.get_info(sbx.sandbox_id).state.value == "running"
     finally:
         sbx.kill()
+
+
+def test_resume_and_fork_answers_say_where_the_time_went(sdk) -> None:
+    """``Server-Timing`` on the REST answers: resume phases, and a fork's capture, wall
+    time and per-child phase spread."""
+    sbx = Sandbox.create("base")
+    made = [sbx.sandbox_id]
+    try:
+        with httpx.Client(base_url=sdk.url, headers={"X-API-KEY": sdk.api_key},
+                          timeout=120) as api:
+            assert api.post(f"/sandboxes/{sbx.sandbox_id}/pause").status_code == 204
+            r = api.post(f"/v2/sandboxes/{sbx.sandbox_id}/connect", json={"timeout": 60})
+            assert r.status_code == 201
+            resumed = parse_server_timing(r.headers["server-timing"])
+            assert {"slot", "restore", "envd_init"} <= resumed.keys()
+            assert all(v >= 0 for v in resumed.values())
+            again = api.post(f"/v2/sandboxes/{sbx.sandbox_id}/connect", json={"timeout": 60})
+            assert again.status_code == 200 and "server-timing" not in again.headers
+
+            r = api.post(f"/sandboxes/{sbx.sandbox_id}/fork", json={"count": 2})
+            assert r.status_code == 201
+            made += [c["sandbox"]["sandboxID"] for c in r.json()]
+            forked = parse_server_timing(r.headers["server-timing"])
+            assert {"capture", "children", "restore_p50", "restore_max",
+                    "envd_init_p50", "envd_init_max"} <= forked.keys()
+            assert forked["restore_p50"] <= forked["restore_max"] <= forked["children"]
+    finally:
+        for sid in made:
+            Sandbox.kill(sid)

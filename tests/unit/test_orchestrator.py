@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -254,6 +255,29 @@ async def test_fork_reports_each_child_on_its_own(world) -> None:
     results = await orch.fork(src.id, 3)
     assert sum(isinstance(r, StartFailed) for r in results) == 1
     assert sum(not isinstance(r, Exception) for r in results) == 2
+
+
+async def test_fork_timings_cover_the_capture_and_the_children_that_started(world) -> None:
+    orch, m = world
+    orch.limits = Limits(max_sandboxes=10, max_fork=16)
+    src = await orch.create(CreateOptions(template="base"))
+    real_start = m.start
+    restores = iter([0.3, None, 0.1, 0.2])  # the second child fails
+
+    async def timed(rec, tpl):
+        seconds = next(restores)
+        if seconds is None:
+            raise RuntimeError("no slot")
+        placed = await real_start(rec, tpl)
+        return dataclasses.replace(placed, phases={"restore": seconds,
+                                                   "envd_init": 2 * seconds})
+
+    m.start = timed
+    timings: dict[str, float] = {}
+    await orch.fork(src.id, 4, timings=timings)
+    assert timings["capture"] >= 0 and timings["children"] >= 0
+    assert timings["restore_p50"] == 0.2 and timings["restore_max"] == 0.3
+    assert timings["envd_init_p50"] == 0.4 and timings["envd_init_max"] == 0.6
 
 
 async def test_fork_count_is_bounded_and_needs_a_running_source(world) -> None:
