@@ -38,7 +38,7 @@ class VMServer:
         self.settings = Settings(
             home=home, cache_home=cache_home,
             name_prefix=f"cp{os.getpid() % 10000:04d}",
-            host_cidr=f"10.{net}.0.0/24", veth_cidr=f"10.{net}.1.0/24", warm_slots=2)
+            host_cidr=f"10.{net}.0.0/24", veth_cidr=f"10.{net}.1.0/24")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = home / "server.log"

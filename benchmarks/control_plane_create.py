@@ -8,7 +8,7 @@ under cProfile, which slows it: use it to see where time goes, not for the figur
 Method: starts ``aenv server`` (``python -m aenv.cli.main server``) in a child process with
 its own home (a temporary directory), name prefix and address ranges, sharing the host's
 kernel and image cache (``AENV_CACHE_HOME`` = the default data dir's artifacts), with the
-default warm pool of 2 network slots. It then makes ``--warmup`` + ``--n`` sequential
+default warm pool of network slots. It then makes ``--warmup`` + ``--n`` sequential
 creates from ``base`` with httpx (``POST /v2/sandboxes``, one keep-alive connection), and
 after each create a ``DELETE /sandboxes/{id}``. Per create it parses the ``Server-Timing``
 header (milliseconds per phase: api, orchestrator, slot, disk, prepare, vmm, kernel, init,
