@@ -5,11 +5,14 @@ Run as root: ``.venv/bin/python benchmarks/sandbox_snapshots.py [--n 10] [--fork
 Method: one server (its own home, prefix and address ranges; ``benchmarks/_server.py``)
 with base kept as a snapshot, and a second one started with ``--no-snapshot-base`` for the
 cold-boot comparison. Client-side wall times (httpx, one keep-alive connection), each
-operation ``--n`` times on a sandbox that holds a background process and a file:
+operation ``--n`` times:
 
 - ``create_restore`` vs ``create_cold``: ``POST /v2/sandboxes`` from base, to the 201 (the
   server answers only after envd ran ``/init``);
-- ``pause`` (``POST .../pause`` → 204) and ``resume`` (``POST /v2/.../connect`` → 201);
+- ``pause`` (``POST .../pause`` → 204) and ``resume`` (``POST /v2/.../connect`` → 201) of a
+  sandbox that holds a file and runs a loop writing the time once a second;
+  ``resume_busy``: of one whose loop ticks every 0.1 s (under TCG the loop's execs in the
+  fresh VMM compete with envd's first answer for the one vCPU);
 - ``snapshot``: ``POST .../snapshots`` of a running sandbox (→ 201);
 - ``fork16``: ``POST .../fork {"count": 16}`` of a fresh sandbox (restored from base) that
   holds a file and runs a process (a loop that writes the time once a second, mostly
@@ -108,15 +111,20 @@ def run_in(api: httpx.Client, srv: VMServer, sid: str, token: str | None, cmd: s
     asyncio.run(go())
 
 
+def started(api: httpx.Client, srv: VMServer, cmd: str) -> str:
+    """A new sandbox from base that has run ``cmd``."""
+    sid, _ = create(api)
+    run_in(api, srv, sid, api.get(f"/sandboxes/{sid}").json().get("envdAccessToken"), cmd)
+    return sid
+
+
 def measure(srv: VMServer, n: int, forks: int) -> dict[str, Any]:
     out: dict[str, list[float]] = {"create_restore": [], "pause": [], "resume": [],
-                                   "snapshot": []}
-    phases: dict[str, list[dict[str, float]]] = {"resume": []}
+                                   "resume_busy": [], "snapshot": []}
+    phases: dict[str, list[dict[str, float]]] = {"resume": [], "resume_busy": []}
     with srv.api() as api:
         create(api)  # warm-up: first restore maps the snapshot cold
-        sid, _ = create(api)
-        token = api.get(f"/sandboxes/{sid}").json().get("envdAccessToken")
-        run_in(api, srv, sid, token, ticking("0.1"))
+        sid, busy = started(api, srv, ticking("1")), started(api, srv, ticking("0.1"))
         for i in range(n):
             child, ms = create(api)
             out["create_restore"].append(ms)
@@ -127,15 +135,17 @@ def measure(srv: VMServer, n: int, forks: int) -> dict[str, Any]:
                 phases["resume"]))
             out["snapshot"].append(timed(
                 lambda: api.post(f"/sandboxes/{sid}/snapshots", json={}), 201))
+            timed(lambda: api.post(f"/sandboxes/{busy}/pause", json={}), 204)
+            out["resume_busy"].append(timed(
+                lambda: api.post(f"/v2/sandboxes/{busy}/connect", json={"timeout": 600}), 201,
+                phases["resume_busy"]))
             log(f"round {i + 1}/{n}: create {out['create_restore'][-1]:.0f} ms, pause "
-                f"{out['pause'][-1]:.0f}, resume {out['resume'][-1]:.0f}, snapshot "
-                f"{out['snapshot'][-1]:.0f}")
+                f"{out['pause'][-1]:.0f}, resume {out['resume'][-1]:.0f} (busy "
+                f"{out['resume_busy'][-1]:.0f}), snapshot {out['snapshot'][-1]:.0f}")
         # Forks start from a fresh sandbox (restored from base), as an RL rollout does, not
         # from the one snapshotted above.
         for key, cmd in FORK_SOURCES.items():
-            src, _ = create(api)
-            run_in(api, srv, src, api.get(f"/sandboxes/{src}").json().get("envdAccessToken"),
-                   cmd)
+            src = started(api, srv, cmd)
             phases[key] = []
             out[key] = fork_rounds(api, src, forks, key, phases[key])
             api.delete(f"/sandboxes/{src}")

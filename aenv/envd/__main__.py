@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
 import uvicorn
 
@@ -26,6 +27,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--default-user", default="root", help="user when a request names none")
     parser.add_argument("--default-workdir", default=None)
     parser.add_argument("--guest", action="store_true", help="own the machine: clock, entropy")
+    parser.add_argument("--workload-cgroup", type=Path, default=None,
+                        help="cgroup v2 directory every started process goes into")
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
 
@@ -33,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.default_user != "root":
         ensure_user(args.default_user)
     state = EnvdState(default_user=args.default_user, default_workdir=args.default_workdir)
-    app = create_app(state, GuestHooks(enabled=args.guest))
+    app = create_app(state, GuestHooks(enabled=args.guest), args.workload_cgroup)
     uvicorn.run(
         app,
         host=args.host,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.middleware.cors import CORSMiddleware
@@ -50,10 +51,11 @@ class _Dispatch:
         await self.web(scope, receive, send)
 
 
-def create_app(state: EnvdState | None = None, hooks: GuestHooks | None = None) -> ASGIApp:
+def create_app(state: EnvdState | None = None, hooks: GuestHooks | None = None,
+               workload_cgroup: Path | None = None) -> ASGIApp:
     state = state or EnvdState()
     hooks = hooks or GuestHooks()
-    process = ProcessService(state)
+    process = ProcessService(state, workload_cgroup)
 
     @asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:

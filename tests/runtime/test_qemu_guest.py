@@ -59,6 +59,16 @@ def test_guest_disks_are_independent(guest_a: Guest, guest_b: Guest) -> None:
     assert guest_a.disk.path != guest_b.disk.path
 
 
+def test_envd_outranks_the_workload_for_cpu_and_memory(guest_a: Guest) -> None:
+    """envd (the command's parent) sits in the envd cgroup with 10x the workload's CPU
+    weight and out of the OOM killer's reach; commands run in the user cgroup."""
+    out = guest_a.sandbox().commands.run(
+        "cat /proc/self/cgroup /proc/self/oom_score_adj /proc/$PPID/cgroup "
+        "/proc/$PPID/oom_score_adj /sys/fs/cgroup/envd/cpu.weight "
+        "/sys/fs/cgroup/user/cpu.weight", user="root").stdout.split()
+    assert out == ["0::/user", "100", "0::/envd", "-1000", "1000", "100"]
+
+
 def test_the_guest_clock_keeps_the_hosts_pace(guest_a: Guest) -> None:
     """Under TCG the guest counts the host's TSC at the rate it was told at boot; a wrong
     rate (a frequency fixed for another CPU) made guests gain seconds per minute."""

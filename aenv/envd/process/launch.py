@@ -14,6 +14,9 @@ Contract, as upstream envd:
 - stdin is a pipe when the request asks for it or leaves it unset, else /dev/null. A PTY
   process gets the slave end as stdin, stdout and stderr and becomes a session leader.
 Non-PTY children stay in envd's session and process group, as upstream's do.
+- Inside a guest, every child goes into the workload cgroup (``aenv.envd.cgroups``) before
+  the command runs: the wrapper first waits on a pipe (fd 3) until envd has moved it, so
+  nothing the command forks is left in envd's cgroup.
 
 How: ``fork`` of a 40 MB Python process costs 3-4 ms here and blocks the event loop for it,
 so children start with ``posix_spawn`` (vfork-like, ~0.1 ms), switching user through
@@ -27,22 +30,31 @@ close-on-exec once; all descriptors envd opens itself are close-on-exec already.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
+from .. import cgroups
 from ..proto import process_pb
 from ..users import User, resolve_path
 from .errors import InvalidRequest
 from .pty import open_pty, take_controlling_tty
 
 _WRAPPER = 'cd -- "$1" && shift && echo 100 > /proc/$$/oom_score_adj && exec "$@"'
+# The same after waiting for envd's go (one line on fd 3, or its end), which comes once envd
+# has put the wrapper into the workload cgroup. ``read`` and ``exec`` are shell builtins.
+_PLACED_WRAPPER = "read -r _ <&3; exec 3<&-; " + _WRAPPER
+_HANDSHAKE_FD = 3
 _FALLBACK_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _SETPRIV = shutil.which("setpriv", path="/usr/bin:/bin:/usr/sbin:/sbin")
 # Python ignores these; a child must get them back at their defaults (as Popen does).
 _DEFAULT_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ)
+
+log = logging.getLogger("envd.process")
 
 
 @dataclass(frozen=True)
@@ -54,14 +66,16 @@ class LaunchSpec:
     user: User
     stdin: bool
     pty_size: tuple[int, int] | None  # (cols, rows) for a PTY process
+    cgroup: Path | None = None  # the workload cgroup (inside a guest)
 
     @property
     def command(self) -> str:
         """The user's command line (for logs and errors)."""
         return " ".join([self.cmd, *self.args])
 
-    def argv(self) -> list[str]:
-        return ["/bin/sh", "-c", _WRAPPER, "sh", self.cwd, self.cmd, *self.args]
+    def argv(self, handshake: bool = False) -> list[str]:
+        wrapper = _PLACED_WRAPPER if handshake else _WRAPPER
+        return ["/bin/sh", "-c", wrapper, "sh", self.cwd, self.cmd, *self.args]
 
 
 @dataclass
@@ -84,7 +98,7 @@ class Spawned:
 
 
 def plan(request: process_pb.StartRequest, user: User, sandbox_env: dict[str, str],
-         default_workdir: str | None) -> LaunchSpec:
+         default_workdir: str | None, cgroup: Path | None = None) -> LaunchSpec:
     """Validate ``request`` and fix everything the child will get."""
     config = request.process
     if config is None:
@@ -110,7 +124,7 @@ def plan(request: process_pb.StartRequest, user: User, sandbox_env: dict[str, st
         size = request.pty.size
         pty_size = (size.cols, size.rows) if size is not None else (0, 0)
     stdin = request.stdin if request.has_field("stdin") else True
-    return LaunchSpec(config.cmd, list(config.args), env, cwd, user, stdin, pty_size)
+    return LaunchSpec(config.cmd, list(config.args), env, cwd, user, stdin, pty_size, cgroup)
 
 
 def spawn(spec: LaunchSpec) -> Spawned:
@@ -176,46 +190,102 @@ class _Pipes:
         return Spawned(pid, self.out_r, self.err_r, self.in_w, None, popen)
 
 
-def _spawn(spec: LaunchSpec, prefix: list[str]) -> Spawned:
-    argv = [*prefix, *spec.argv()]
-    if spec.pty_size is not None:
-        master, slave = open_pty(*spec.pty_size)
-        try:
-            pid = os.posix_spawn(argv[0], argv, spec.env, file_actions=[
-                (os.POSIX_SPAWN_OPEN, 0, os.ttyname(slave), os.O_RDWR, 0),
-                (os.POSIX_SPAWN_DUP2, 0, 1),
-                (os.POSIX_SPAWN_DUP2, 0, 2),
-            ], setsid=True, setsigdef=_DEFAULT_SIGNALS)
-        except BaseException:
-            os.close(master)
-            raise
-        finally:
-            # The child has the slave open by now (posix_spawn returns after its file
-            # actions), so the master reads EIO only once the child and everything it
-            # started have closed the terminal.
-            os.close(slave)
-        return Spawned(pid, None, None, None, master)
-
-    pipes = _Pipes(spec.stdin)
+def _place(pid: int, cgroup: Path) -> None:
     try:
-        stdin_action = (
-            (os.POSIX_SPAWN_DUP2, pipes.in_r, 0) if pipes.in_r is not None
-            else (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0)
-        )
-        pid = os.posix_spawn(argv[0], argv, spec.env, file_actions=[
-            stdin_action,
-            (os.POSIX_SPAWN_DUP2, pipes.out_w, 1),
-            (os.POSIX_SPAWN_DUP2, pipes.err_w, 2),
-        ], setsigdef=_DEFAULT_SIGNALS)
-        pipes.close_child_ends()
-    except BaseException:
-        pipes.close_all()
-        raise
-    return pipes.parent(pid)
+        cgroups.move(pid, cgroup)
+    except OSError as e:
+        log.warning("pid %d stays in envd's cgroup: %s", pid, e)
+
+
+class _Handshake:
+    """The pipe a placed child waits on (read end as its fd 3) until envd has moved it
+    into the workload cgroup; without a cgroup it does nothing."""
+
+    def __init__(self, cgroup: Path | None) -> None:
+        self.cgroup = cgroup
+        self.r = self.w = -1
+        if cgroup is not None:
+            self.r, self.w = os.pipe2(os.O_CLOEXEC)
+            if self.r == _HANDSHAKE_FD:  # dup2 onto itself would keep close-on-exec set
+                self.r = os.dup(_HANDSHAKE_FD)
+                os.close(_HANDSHAKE_FD)
+
+    def actions(self) -> list[tuple]:
+        return [] if self.cgroup is None else [(os.POSIX_SPAWN_DUP2, self.r, _HANDSHAKE_FD)]
+
+    def release(self, pid: int | None) -> None:
+        """Move ``pid`` (when spawned) into the cgroup, then let it go on; closes the pipe."""
+        if self.cgroup is None:
+            return
+        try:
+            if pid is not None:
+                _place(pid, self.cgroup)
+        finally:
+            os.close(self.r)
+            try:
+                os.write(self.w, b"\n")
+            except OSError:
+                pass  # the child is gone already
+            os.close(self.w)
+
+
+def _spawn(spec: LaunchSpec, prefix: list[str]) -> Spawned:
+    gate = _Handshake(spec.cgroup)
+    argv = [*prefix, *spec.argv(handshake=spec.cgroup is not None)]
+    pid: int | None = None
+    try:
+        if spec.pty_size is not None:
+            master, slave = open_pty(*spec.pty_size)
+            try:
+                pid = os.posix_spawn(argv[0], argv, spec.env, file_actions=[
+                    (os.POSIX_SPAWN_OPEN, 0, os.ttyname(slave), os.O_RDWR, 0),
+                    (os.POSIX_SPAWN_DUP2, 0, 1),
+                    (os.POSIX_SPAWN_DUP2, 0, 2),
+                    *gate.actions(),
+                ], setsid=True, setsigdef=_DEFAULT_SIGNALS)
+            except BaseException:
+                os.close(master)
+                raise
+            finally:
+                # The child has the slave open by now (posix_spawn returns after its file
+                # actions), so the master reads EIO only once the child and everything it
+                # started have closed the terminal.
+                os.close(slave)
+            return Spawned(pid, None, None, None, master)
+
+        pipes = _Pipes(spec.stdin)
+        try:
+            stdin_action = (
+                (os.POSIX_SPAWN_DUP2, pipes.in_r, 0) if pipes.in_r is not None
+                else (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0)
+            )
+            pid = os.posix_spawn(argv[0], argv, spec.env, file_actions=[
+                stdin_action,
+                (os.POSIX_SPAWN_DUP2, pipes.out_w, 1),
+                (os.POSIX_SPAWN_DUP2, pipes.err_w, 2),
+                *gate.actions(),
+            ], setsigdef=_DEFAULT_SIGNALS)
+            pipes.close_child_ends()
+        except BaseException:
+            pipes.close_all()
+            raise
+        return pipes.parent(pid)
+    finally:
+        gate.release(pid)
 
 
 def _spawn_forking(spec: LaunchSpec) -> Spawned:
-    """The fallback without ``setpriv``: ``Popen`` forks and switches user itself."""
+    """The fallback without ``setpriv``: ``Popen`` forks and switches user itself. The user
+    switch comes before ``preexec_fn``, so the child cannot join the workload cgroup itself:
+    envd moves it once Popen returns, and anything the command forked before that stays
+    in envd's cgroup (an image without util-linux is the only way here)."""
+    spawned = _spawn_forking_unplaced(spec)
+    if spec.cgroup is not None:
+        _place(spawned.pid, spec.cgroup)
+    return spawned
+
+
+def _spawn_forking_unplaced(spec: LaunchSpec) -> Spawned:
     creds = {"user": spec.user.uid, "group": spec.user.gid,
              "extra_groups": list(spec.user.groups)}
     if spec.pty_size is not None:

@@ -16,6 +16,7 @@ import asyncio
 import signal
 from collections.abc import AsyncIterator, Iterator
 from contextlib import aclosing, contextmanager
+from pathlib import Path
 
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
@@ -58,8 +59,10 @@ def _as_connect_errors() -> Iterator[None]:
 
 
 class ProcessService:
-    def __init__(self, state: EnvdState) -> None:
+    def __init__(self, state: EnvdState, workload_cgroup: Path | None = None) -> None:
+        """``workload_cgroup``: where started processes go (``aenv.envd.cgroups``)."""
         self.state = state
+        self.workload_cgroup = workload_cgroup
         self.registry = ProcessRegistry()
         seal_inherited_descriptors()
 
@@ -73,7 +76,8 @@ class ProcessService:
                     ctx: RequestContext) -> AsyncIterator[process_pb.StartResponse]:
         with _as_connect_errors():
             user = self._user(ctx)
-            spec = plan(request, user, self.state.env_vars, self.state.default_workdir)
+            spec = plan(request, user, self.state.env_vars, self.state.default_workdir,
+                        self.workload_cgroup)
             tag = request.tag if request.has_field("tag") else None
             assert request.process is not None  # plan() checked
             # One instant for both: the process is killed and the stream ends with

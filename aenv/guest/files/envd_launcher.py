@@ -8,7 +8,9 @@ parent and answers again within a few hundred milliseconds instead of seconds. T
 forwards SIGTERM/SIGINT to the server and exits with it. Its parent (``envd-supervise``
 under tini) restarts this process itself if it ever dies.
 
-Arguments are envd's (``python -m aenv.envd --help``). Markers on stdout, one line each:
+Arguments are envd's (``python -m aenv.envd --help``). With ``--guest`` the launcher first
+puts itself into envd's cgroup, out of the OOM killer's reach, and passes the workload
+cgroup on to the server (``aenv.envd.cgroups``). Markers on stdout, one line each:
 ``aenv-init: envd-imported <uptime>``, ``aenv-init: envd-fork <uptime> pid=<pid>``,
 ``aenv-init: envd-exit <uptime> rc=<code>`` (negative: killed by that signal).
 Runs with ``python3 -S`` and nothing but the standard library until it imports envd.
@@ -118,12 +120,28 @@ def supervise(argv: list[str]) -> int:
             time.sleep(BACKOFF_S)
 
 
+def placed(argv: list[str]) -> list[str]:
+    """In a guest (``--guest``): envd's cgroup and OOM protection for this process and the
+    servers it forks, and the workload cgroup for what they start."""
+    if "--guest" not in argv:
+        return argv
+    from aenv.envd import cgroups
+
+    try:
+        workload = cgroups.place_envd()
+    except OSError as e:
+        print(f"aenv-init: envd stays in the root cgroup: {e}", flush=True)
+        return argv
+    return [*argv, "--workload-cgroup", str(workload)]
+
+
 def main() -> None:
     if os.path.isdir(PYTHON_DIR) and PYTHON_DIR not in sys.path:
         sys.path.insert(0, PYTHON_DIR)
+    argv = placed(sys.argv[1:])
     preload()
     mark("envd-imported")
-    sys.exit(supervise(sys.argv[1:]))
+    sys.exit(supervise(argv))
 
 
 if __name__ == "__main__":
