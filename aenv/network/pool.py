@@ -7,7 +7,7 @@ only for a non-default egress policy, one nft call. ``release`` checks synchrono
 VMM let go of the tap, then the background thread cleans the slot (default policy, conntrack
 flushed in the namespace and for its host address on the host) and either keeps it warm or
 destroys it and frees the index; a slot is never handed out again before that cleaning
-finished.
+finished. The thread does its work between bursts, not during them (``_QUIET_S``).
 
 Every method is thread-safe and blocking; from asyncio call them through
 ``asyncio.to_thread``. Run ``cleanup_leftovers`` before ``start`` after a crash, and give
@@ -33,6 +33,12 @@ from .slot import NetworkSlot
 log = logging.getLogger("aenv.network")
 
 _RETRY_AFTER_FAILURE = 1.0  # seconds the filler waits after a failed creation
+# The filler stays out of a burst's way: a fork takes 16 slots back to back and a batch of
+# kills gives them back, and making or cleaning slots meanwhile (~50 ms of CPU each) only
+# slows the burst down. It works once acquire and release have been quiet for _QUIET_S, or
+# once work has waited _MAX_DEFER_S, so a steady trickle of starts still finds slots made.
+_QUIET_S = 0.5
+_MAX_DEFER_S = 3.0
 
 
 class SlotPool:
@@ -53,6 +59,8 @@ class SlotPool:
         self._next_fresh = 1
         self._creating = 0
         self._cleaning = 0  # released slots taken off _dirty and not yet warm or freed
+        self._last_busy = 0.0  # monotonic time of the last acquire or release
+        self._pending_since: float | None = None  # since when the filler has had work
         self._started = False
         self._closed = False
         self._worker: threading.Thread | None = None
@@ -116,6 +124,7 @@ class SlotPool:
             self._check_open()
             slot = self._warm.popleft() if self._warm else None
             index = None if slot is not None else self._take_index()
+            self._last_busy = time.monotonic()
             self._cv.notify_all()  # the filler tops the warm pool up again
         if slot is None:
             try:
@@ -162,6 +171,7 @@ class SlotPool:
             if self._leased.pop(slot.index, None) is None:
                 return  # closed meanwhile: close destroyed it
             self._dirty.append(slot)
+            self._last_busy = time.monotonic()
             self._cv.notify_all()
 
     def stats(self) -> dict[str, int]:
@@ -234,9 +244,14 @@ class SlotPool:
             with self._cv:
                 while not self._closed and not self._dirty and \
                         len(self._warm) + self._creating >= self.warm_size:
+                    self._pending_since = None
                     self._cv.wait()
                 if self._closed:
                     return
+                hold = self._hold()
+                if hold > 0:
+                    self._cv.wait(hold)
+                    continue
                 dirty = self._dirty.popleft() if self._dirty else None
                 index = None
                 if dirty is not None:
@@ -257,6 +272,13 @@ class SlotPool:
                         self._cv.notify_all()
             else:
                 self._fill(index)
+
+    def _hold(self) -> float:
+        """Seconds the filler should still wait before its next piece of work (lock held)."""
+        now = time.monotonic()
+        if self._pending_since is None:
+            self._pending_since = now
+        return min(self._last_busy + _QUIET_S, self._pending_since + _MAX_DEFER_S) - now
 
     def _recycle(self, slot: NetworkSlot) -> None:
         keep = False

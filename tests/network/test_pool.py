@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from pyroute2 import IPRoute
@@ -56,6 +57,19 @@ def test_warm_pool_fills_to_its_size_and_refills_after_acquire(pool_factory):
     assert pool.wait_warm()
     assert pool.stats() | {"capacity": 0} == {"warm": 2, "leased": 1, "cleaning": 0,
                                               "creating": 0, "capacity": 0}
+
+
+def test_the_filler_waits_for_a_burst_of_acquires_to_end(pool_factory):
+    pool = pool_factory(warm=3)
+    assert pool.wait_warm()
+    for _ in range(3):
+        pool.acquire()
+        last = time.monotonic()
+        time.sleep(0.2)  # a burst: each acquire comes before the filler's quiet period ends
+    stats = pool.stats()
+    assert stats["warm"] == 0 and stats["creating"] == 0, stats  # nothing made meanwhile
+    assert pool.wait_warm()
+    assert time.monotonic() - last >= 0.45  # refilled only once the burst went quiet
 
 
 def test_acquire_without_warm_slots_creates_one(pool_factory):
