@@ -12,7 +12,6 @@ phase markers. Needs root. The host has 2 shared cores: expect +-20 % between ru
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import sys
@@ -25,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from aenv.config import Settings
 from aenv.storage.images import ensure_base_image
 from aenv.storage.kernel import ensure_kernel
+from benchmarks._common import emit
 
 
 def _timed(fn):
@@ -67,7 +67,7 @@ def main() -> None:
     finally:
         if not args.keep:
             shutil.rmtree(home, ignore_errors=True)
-    print(json.dumps(result, indent=2))
+    emit(result)
 
 
 def _boots(kernel, image, home: Path, n: int) -> dict[str, object]:

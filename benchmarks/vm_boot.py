@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import os
 import statistics
 import sys
@@ -33,6 +32,7 @@ from aenv.runtime.ready import BootPhases, boot_until_ready
 from aenv.storage.disks import create_disk
 from aenv.storage.images import ensure_base_image
 from aenv.storage.kernel import ensure_kernel, list_kernels
+from benchmarks._common import emit
 
 PHASES = ("vmm_to_qmp", "kernel_to_init", "init_to_envd_exec", "envd_exec_to_health", "total")
 GOAL_S = 3.0  # boot to envd ready under TCG with the packaged kernel
@@ -96,7 +96,7 @@ async def main() -> None:
                    for f in flavors}
     finally:
         await asyncio.to_thread(pool.close)
-    print(json.dumps({
+    emit({
         "benchmark": "vm_boot",
         "runtime": "qemu",
         "accel": accel.accel,
@@ -106,7 +106,7 @@ async def main() -> None:
         "goal_total_s": GOAL_S,
         "note": "2 shared host cores: expect +-20% between runs",
         "flavors": results,
-    }, indent=1))
+    })
 
 
 if __name__ == "__main__":
