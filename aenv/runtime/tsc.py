@@ -67,14 +67,17 @@ def measure_khz() -> int | None:
 
 
 def cpuinfo_khz(cpuinfo: Path = Path("/proc/cpuinfo")) -> int | None:
-    """The first ``cpu MHz`` of ``/proc/cpuinfo`` in kHz, if the CPU's TSC is invariant."""
+    """The first ``cpu MHz`` of ``/proc/cpuinfo`` in kHz, when that is the TSC's rate: the
+    TSC is invariant and its frequency was given to the kernel (``tsc_known_freq``, as
+    hypervisors do). Elsewhere the figure is the core's current clock."""
     try:
         text = cpuinfo.read_text()
     except OSError:
         return None
     flags = re.search(r"^flags\s*:(.*)$", text, re.M)
     mhz = re.search(r"^cpu MHz\s*:\s*([\d.]+)", text, re.M)
-    if not flags or not mhz or "constant_tsc" not in flags.group(1).split():
+    if not flags or not mhz or not {"constant_tsc", "tsc_known_freq"} <= set(
+            flags.group(1).split()):
         return None
     return round(float(mhz.group(1)) * 1000)
 
