@@ -258,9 +258,7 @@ class QemuRuntime(Runtime):
             raise BootError(f"{qemu_args.QEMU_BINARY} is not installed", vm_id=spec.vm_id)
         accel = self.accel
         wd.prepare(spec)
-        argv = qemu_args.build_argv(
-            spec, accel.accel, binary=binary, aio="io_uring" if io_uring_usable() else "threads"
-        )
+        argv = await self._argv(spec, accel, binary)
         manifest = {
             "vm_id": spec.vm_id,
             "runtime": self.name,
@@ -296,6 +294,15 @@ class QemuRuntime(Runtime):
                    "accel": accel.accel},
         )
         return vm
+
+    @staticmethod
+    async def _argv(spec: VMSpec, accel: AccelChoice, binary: str, *,
+                    restore: bool = False) -> list[str]:
+        """The VMM's command line, built in a thread: the first one under TCG measures the
+        host's TSC rate (``aenv.runtime.tsc``, ~0.1 s), which must not stall the loop."""
+        return await asyncio.to_thread(
+            qemu_args.build_argv, spec, accel.accel, binary=binary,
+            aio="io_uring" if io_uring_usable() else "threads", restore=restore)
 
     async def _connect_qmp(self, spec: VMSpec, process: subprocess.Popen[bytes]) -> QMPClient:
         sock_path = spec.workdir / wd.QMP_SOCKET
@@ -360,9 +367,7 @@ class QemuRuntime(Runtime):
         spec = plan.spec
         fd = os.open(plan.device_state, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            argv = qemu_args.build_argv(
-                spec, accel.accel, binary=binary,
-                aio="io_uring" if io_uring_usable() else "threads", restore=True)
+            argv = await self._argv(spec, accel, binary, restore=True)
             manifest = {
                 "vm_id": spec.vm_id, "runtime": self.name, "accel": accel.accel,
                 "accel_reason": accel.reason, "argv": argv, "created_at": time.time(),
