@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import statistics
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -541,9 +542,9 @@ def _spread(per_child: list[dict[str, float]]) -> dict[str, float]:
     """``{phase}_p50`` and ``{phase}_max`` of each phase over the children's phase dicts."""
     out: dict[str, float] = {}
     for phase in dict.fromkeys(k for d in per_child for k in d):
-        values = sorted(d[phase] for d in per_child if phase in d)
-        out[f"{phase}_p50"] = values[(len(values) - 1) // 2]
-        out[f"{phase}_max"] = values[-1]
+        values = [d[phase] for d in per_child if phase in d]
+        out[f"{phase}_p50"] = statistics.median_low(values)
+        out[f"{phase}_max"] = max(values)
     return out
 
 
