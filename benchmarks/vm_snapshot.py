@@ -2,9 +2,9 @@
 fork x16, and the host memory each forked child costs; for a 256 MiB and a 2 GiB guest.
 
 Run as root: ``.venv/bin/python benchmarks/vm_snapshot.py [--cycles 10] [--forks 16]
-[--fork-rounds 2] [--sizes 256,2048]``. Per guest size it boots the ``base`` image once,
-pauses it into a template snapshot (the first pause of a booted VM copies its RAM file:
-reported apart), and then measures, on restored VMs as every sandbox is one:
+[--fork-rounds 2] [--sizes 256,2048] [--flavor cloud|small]``. Per guest size it boots the
+``base`` image once, pauses it into a template snapshot (the first pause of a booted VM
+copies its RAM file: reported apart), and then measures, on restored VMs as every sandbox is one:
 
 - ``resume``: ``Runtime.restore`` of a paused sandbox into a fresh working directory and a
   pre-made network slot, to the vCPUs running (``running_ms``) and to envd's ``/health``
@@ -302,7 +302,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     settings = dataclasses.replace(
         Settings.from_env(), name_prefix=f"sb{os.getpid() % 10000:04d}",
         host_cidr="10.97.0.0/24", veth_cidr="10.97.1.0/24", warm_slots=0)
-    kernel = ensure_kernel(settings, "cloud")
+    kernel = ensure_kernel(settings, args.flavor)
     image = ensure_base_image(settings, kernel_flavor=kernel.flavor)
     root = settings.home / "bench-snapshots" / settings.name_prefix
     pool = SlotPool(settings, warm_size=0)
@@ -367,12 +367,15 @@ def main() -> None:
     ap.add_argument("--sizes", default="256,2048", help="guest sizes in MiB")
     ap.add_argument("--dirty-reps", type=int, default=2)
     ap.add_argument("--no-dirty", dest="dirty", action="store_false")
+    ap.add_argument("--flavor", default="cloud",
+                    help="guest kernel: cloud, or small once 'aenv kernel build small' ran")
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("vm_snapshot.py needs root (network namespaces and taps)")
     accel = host_accel()
     out = asyncio.run(run(args))
-    emit({"benchmark": "vm_snapshot", "runtime": "qemu", "accel": accel.accel,
+    emit({"benchmark": "vm_snapshot", "runtime": "qemu", "kernel_flavor": args.flavor,
+          "accel": accel.accel,
           "accel_reason": accel.reason, "cycles": args.cycles,
           "note": "2 shared host cores, other work running: expect +-20% between runs; "
                   "slots are made before each timed restore (a warm pool's job)",

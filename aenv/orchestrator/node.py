@@ -125,13 +125,15 @@ class NodeMachines:
 
     async def start(self, rec: SandboxRecord, template: TemplateRecord) -> Placement:
         image = template.image or ""
-        if image.startswith(snapshot_store.SNAPSHOT):
-            directory = self._snapshot_dir(image)
-            if not snapshot_store.is_complete(directory):
-                raise InvalidRequest(f"snapshot {image} does not exist on this node")
-            if snapshot_store.disk_snapshot(directory) is None:
-                return await self._restore(rec, template, directory)
-        return await self._boot(rec, template)
+        # The pool's filler keeps its CPU off the host while guests come up.
+        with self.pool.starting():
+            if image.startswith(snapshot_store.SNAPSHOT):
+                directory = self._snapshot_dir(image)
+                if not snapshot_store.is_complete(directory):
+                    raise InvalidRequest(f"snapshot {image} does not exist on this node")
+                if snapshot_store.disk_snapshot(directory) is None:
+                    return await self._restore(rec, template, directory)
+            return await self._boot(rec, template)
 
     async def _restore(self, rec: SandboxRecord, template: TemplateRecord,
                        directory: Path) -> Placement:

@@ -72,6 +72,19 @@ def test_the_filler_waits_for_a_burst_of_acquires_to_end(pool_factory):
     assert time.monotonic() - last >= 0.45  # refilled only once the burst went quiet
 
 
+def test_the_filler_waits_while_a_vm_start_is_in_progress(pool_factory):
+    pool = pool_factory(warm=1)
+    assert pool.wait_warm()
+    with pool.starting():
+        pool.acquire()
+        time.sleep(1.0)  # twice the quiet period, but the guest is still coming up
+        stats = pool.stats()
+        assert stats["warm"] == 0 and stats["creating"] == 0, stats
+        ended = time.monotonic()
+    assert pool.wait_warm()
+    assert time.monotonic() - ended >= 0.45  # refilled once the start was over and quiet
+
+
 def test_acquire_without_warm_slots_creates_one(pool_factory):
     pool = pool_factory(warm=0)
     slot = pool.acquire(EgressPolicy.build(allow_internet=False))
