@@ -20,7 +20,7 @@ from ..client.envd import ENVD_PORT, EnvdClient
 from ..config import Settings
 from ..guest.bootargs import guest_boot_args
 from ..network import EgressPolicy, NetworkSlot, SlotPool, cleanup_leftovers
-from ..runtime import VM, AttachError, Drive, RestoreOverrides, VMSpec, get_runtime
+from ..runtime import VM, AttachError, Drive, RestoreOverrides, VMSpec, console, get_runtime
 from ..runtime import workdir as wd
 from ..runtime.ready import boot_until_ready
 from ..storage import disk_layers, snapshot_store
@@ -35,6 +35,7 @@ log = logging.getLogger("aenv.node")
 
 ENVD_READY_TIMEOUT_S = 60.0
 START_READY_TIMEOUT_S = 120.0
+CONSOLE_CHECK_S = 10.0  # how often the running VMs' console logs are held to their bound
 
 
 @dataclass
@@ -42,6 +43,10 @@ class _Running:
     vm: VM
     slot: NetworkSlot
     disk: Disk | None
+
+
+def _bound_all(logs: list[Path]) -> int:
+    return sum(console.bound(path) for path in logs)
 
 
 def egress_policy(rec: SandboxRecord) -> EgressPolicy:
@@ -68,6 +73,7 @@ class NodeMachines:
         # Snapshot writes and garbage collection never overlap (a half-written snapshot
         # is not yet anyone's root).
         self._snapshot_lock = asyncio.Lock()
+        self._console_task: asyncio.Task | None = None
 
     # -- node life ------------------------------------------------------------------------
 
@@ -84,17 +90,33 @@ class NodeMachines:
             if d.name not in keep_vms:
                 wd.remove(d)
         await asyncio.to_thread(self.pool.start, keep_slots)
+        self._console_task = asyncio.create_task(self._bound_consoles(), name="aenv-consoles")
 
     def image_key(self) -> str | None:
         return f"base-{self.base.digest[:16]}" if self.base else None
 
     async def close(self) -> None:
         """Stop watching; running VMs keep running (a restart re-attaches them)."""
+        if self._console_task is not None:
+            self._console_task.cancel()
         for r in self._running.values():
             detach = getattr(r.vm, "detach", None)
             if detach is not None:
                 await detach()
         await asyncio.to_thread(self.pool.close, True)
+
+    async def _bound_consoles(self) -> None:
+        """Keep every running guest's serial log to its bound (``runtime.console``)."""
+        while True:
+            await asyncio.sleep(CONSOLE_CHECK_S)
+            logs = [r.vm.console_log for r in self._running.values()]
+            try:
+                cut = await asyncio.to_thread(_bound_all, logs)
+            except OSError:
+                log.exception("bounding the console logs failed")
+                continue
+            if cut:
+                log.info("console logs: cut %d bytes of old output", cut)
 
     def in_use(self) -> set[int]:
         return {r.slot.index for r in self._running.values()}

@@ -107,7 +107,9 @@ def build_argv(
     if spec.initrd is not None:
         argv += ["-initrd", wd.INITRD]
     argv += ["-append", kernel_cmdline(spec, accel)]
-    argv += ["-serial", f"file:{wd.CONSOLE}", "-monitor", "none"]
+    # append=on: the log can be cut from outside while the VMM writes (runtime.console).
+    argv += ["-chardev", f"file,id=console,path={wd.CONSOLE},append=on",
+             "-serial", "chardev:console", "-monitor", "none"]
     for drive in spec.drives:
         opts = [
             f"id={drive.id}",

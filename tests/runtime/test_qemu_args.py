@@ -97,7 +97,8 @@ def test_accelerator_selects_cpu_model() -> None:
 
 def test_console_qmp_and_pidfile_are_relative() -> None:
     argv = build_argv(spec(), "tcg")
-    assert opt(argv, "-serial") == ["file:console.log"]
+    assert opt(argv, "-serial") == ["chardev:console"]
+    assert opt(argv, "-chardev") == ["file,id=console,path=console.log,append=on"]
     assert opt(argv, "-qmp") == ["unix:qmp.sock,server=on,wait=off"]
     assert opt(argv, "-pidfile") == ["vmm.pid"]
     assert opt(argv, "-kernel") == ["kernel"] and opt(argv, "-initrd") == ["initrd"]

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from aenv.guest import markers
-from aenv.runtime import AttachError
+from aenv.runtime import AttachError, console
 from aenv.runtime.qemu import QemuRuntime
 from tests.runtime.conftest import Guest
 
@@ -67,6 +67,21 @@ def test_envd_outranks_the_workload_for_cpu_and_memory(guest_a: Guest) -> None:
         "/proc/$PPID/oom_score_adj /sys/fs/cgroup/envd/cpu.weight "
         "/sys/fs/cgroup/user/cpu.weight", user="root").stdout.split()
     assert out == ["0::/user", "100", "0::/envd", "-1000", "1000", "100"]
+
+
+def test_a_flooded_console_log_is_cut_and_qemu_writes_on_at_its_end(guest_a: Guest) -> None:
+    """Root in the guest can flood the serial port; the host keeps the log bounded, and
+    QEMU (append=on) writes its next lines right after the kept tail."""
+    sbx = guest_a.sandbox()
+    log = guest_a.vm.console_log
+    sbx.commands.run("head -c 300000 /dev/zero | tr '\\0' x > /dev/console", user="root",
+                     timeout=120)
+    assert log.stat().st_size > 300000
+    assert console.bound(log, max_bytes=128 * 1024, keep_bytes=32 * 1024) > 0
+    sbx.commands.run("echo console-after-cut > /dev/console", user="root")
+    data = log.read_bytes()
+    assert len(data) < 64 * 1024
+    assert b"\0" not in data and data.rstrip().endswith(b"console-after-cut")
 
 
 def test_the_guest_clock_keeps_the_hosts_pace(guest_a: Guest) -> None:
