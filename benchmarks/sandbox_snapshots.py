@@ -213,18 +213,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=10)
     ap.add_argument("--forks", type=int, default=3)
-    ap.add_argument("--cold", type=int, default=5, help="cold-boot creates for comparison")
+    ap.add_argument("--cold", type=int, default=5,
+                    help="cold-boot creates for comparison (0: skip)")
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("sandbox_snapshots.py needs root (network namespaces, VMs)")
     result: dict[str, Any] = {"benchmark": "sandbox_snapshots", "n": args.n}
     result.update(with_server(Path(tempfile.mkdtemp(prefix="aenv-bench-snap-")), 92, (),
                               lambda s: measure(s, args.n, args.forks)))
-    result["create_cold"] = with_server(Path(tempfile.mkdtemp(prefix="aenv-bench-cold-")), 90,
-                                        ("--no-snapshot-base",),
-                                        lambda s: cold_creates(s, args.cold))
-    result["create_restore_vs_cold_p50"] = round(
-        result["create_restore"]["p50"] / result["create_cold"]["p50"], 3)
+    if args.cold > 0:
+        result["create_cold"] = with_server(
+            Path(tempfile.mkdtemp(prefix="aenv-bench-cold-")), 90, ("--no-snapshot-base",),
+            lambda s: cold_creates(s, args.cold))
+        result["create_restore_vs_cold_p50"] = round(
+            result["create_restore"]["p50"] / result["create_cold"]["p50"], 3)
     emit(result)
 
 

@@ -39,9 +39,10 @@ _RETRY_AFTER_FAILURE = 1.0  # seconds the filler waits after a failed creation
 # kills gives them back, and making or cleaning slots meanwhile (~50-150 ms of CPU each, nft
 # included) only slows the burst down. It works once no VM start is in progress
 # (``starting``) and acquire and release have been quiet for _QUIET_S, or once work has
-# waited _MAX_DEFER_S, so a steady trickle of starts still finds slots made.
+# waited _MAX_DEFER_S, so a steady trickle of starts still finds slots made (with 10 s, a
+# benchmark's back-to-back creates and resumes left a fork to make its slots on demand).
 _QUIET_S = 0.5
-_MAX_DEFER_S = 10.0
+_MAX_DEFER_S = 3.0
 
 
 class SlotPool:
