@@ -57,6 +57,12 @@ rm -f /etc/resolv.conf /etc/hostname
 : >/etc/resolv.conf
 rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/cache/apt/archives/*.deb /var/log/*.log
 for v in $(ls /lib/modules 2>/dev/null); do depmod -a "$v"; done
+# Debian's /etc/profile forks and execs `id -u` in every login shell, and every E2B command
+# is one (bash -l -c): bash's own $EUID is the same number (~80 ms less per command under
+# emulation); other shells have no EUID and still ask id.
+if [ -f /etc/profile ] && command -v sed >/dev/null; then
+    sed -i 's/"$(id -u)"/"${{EUID:-$(id -u)}}"/g' /etc/profile
+fi
 # Byte-compile everything the guest may import, so no boot ever compiles or writes .pyc.
 python3 -m compileall -q -j1 {PYTHON_DIR} /usr/lib/python3/dist-packages \\
     /usr/lib/python{GUEST_PYTHON} >/dev/null

@@ -55,6 +55,15 @@ def test_user_has_uid_1000_a_home_and_passwordless_sudo(guest):
     assert out.split() == ["1000", "/home/user", "0"]
 
 
+def test_login_shells_get_the_right_path_without_running_id(guest):
+    """Every E2B command is a login shell: /etc/profile asks bash for the uid, not id."""
+    assert '"$(id -u)"' not in sh(guest, "cat /etc/profile")
+    path_for = {u: sh(guest, "exec bash -l -c 'echo $PATH'", user=u).strip().split(":")
+                for u in ("root", "user")}
+    assert "/usr/sbin" in path_for["root"] and "/usr/sbin" not in path_for["user"]
+    assert sh(guest, "exec sh -l -c 'echo $PATH'", user="root").find("/usr/sbin") >= 0
+
+
 def test_base_tools_are_installed(guest):
     tools = ["bash", "python3", "sudo", "ip", "tput", "ps", "tini", "modprobe"]
     out = sh(guest, f"for t in {' '.join(tools)}; do command -v $t || echo missing $t; done; "
