@@ -142,6 +142,10 @@ def measure(srv: VMServer, n: int, forks: int) -> dict[str, Any]:
             log(f"round {i + 1}/{n}: create {out['create_restore'][-1]:.0f} ms, pause "
                 f"{out['pause'][-1]:.0f}, resume {out['resume'][-1]:.0f} (busy "
                 f"{out['resume_busy'][-1]:.0f}), snapshot {out['snapshot'][-1]:.0f}")
+        # The resume sandboxes go first: the busy one alone keeps half a core busy, which
+        # the forks below would otherwise share the host with.
+        for s in (sid, busy):
+            api.delete(f"/sandboxes/{s}")
         # Forks start from a fresh sandbox (restored from base), as an RL rollout does, not
         # from the one snapshotted above.
         for key, cmd in FORK_SOURCES.items():
