@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 PHASES = (
     "aenv-initrd:start",
     "aenv-initrd:modules-loaded",
+    "aenv-initrd:network",
     "aenv-initrd:switch-root",
     "aenv-init:start",
     "aenv-init:mounted",

@@ -50,7 +50,9 @@ INITRAMFS_MODULES = (
     "ext4",
     "crc32c_generic",
 )
-_BUSYBOX_APPLETS = ("sh", "mount", "umount", "insmod", "switch_root", "usleep", "mkdir", "cat")
+_BUSYBOX_APPLETS = (
+    "sh", "mount", "umount", "insmod", "switch_root", "usleep", "mkdir", "cat", "ip", "ln",
+)
 
 ProgressFn = Callable[[str], None]
 

@@ -36,8 +36,6 @@ _TOKEN = re.compile(r"\A[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
 _BINARY = set(range(0x09)) | {0x0B} | set(range(0x0E, 0x1B)) | set(range(0x1C, 0x20))
 _RANGE = re.compile(r"\A\s*(\d*)\s*-\s*(\d*)\s*\Z")
 
-mimetypes.init()
-
 
 def content_disposition(filename: str) -> str:
     """``mime.FormatMediaType("inline", {"filename": name})`` as Go writes it."""
@@ -54,6 +52,10 @@ def content_disposition(filename: str) -> str:
 
 
 def type_by_extension(name: str) -> str | None:
+    if not mimetypes.inited:
+        # On first use, not at import: reading the system's type tables is ~30 ms of an
+        # emulated guest's boot, and most sandboxes never download a file.
+        mimetypes.init()
     ext = os.path.splitext(name)[1].lower()
     ctype = mimetypes.types_map.get(ext) if ext else None
     if ctype and ctype.startswith("text/") and "charset" not in ctype:

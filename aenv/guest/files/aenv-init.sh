@@ -3,9 +3,10 @@
 # /usr/lib/aenv/fstab; what the initramfs already mounted is skipped), configures lo and
 # eth0, the hostname and /etc/resolv.conf from the kernel's ip= parameter, then execs tini
 # (which reaps orphans as PID 1) running envd-supervise. Every external command costs tens
-# of milliseconds under emulation, so the path to envd runs as few as possible and the
-# /dev links are made in the background. Markers "aenv-init: <phase> <uptime>" go to the
-# console; see aenv/guest/markers.py.
+# of milliseconds under emulation, so the path to envd runs as few as possible: the /dev
+# links and the interface are left alone when the initramfs (or the kernel) already made
+# them, and otherwise the links are made in the background. Markers
+# "aenv-init: <phase> <uptime>" go to the console; see aenv/guest/markers.py.
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 export HOME=/root LANG=C.UTF-8
 unset TERM
@@ -16,12 +17,22 @@ mark start
 mount -a -T /usr/lib/aenv/fstab || echo "aenv-init: some mounts failed"
 mark mounted
 (
-  ln -sfn /proc/self/fd /dev/fd
-  ln -sf /proc/self/fd/0 /dev/stdin
-  ln -sf /proc/self/fd/1 /dev/stdout
-  ln -sf /proc/self/fd/2 /dev/stderr
+  if [ ! -e /dev/fd ]; then
+    ln -sfn /proc/self/fd /dev/fd
+    ln -sf /proc/self/fd/0 /dev/stdin
+    ln -sf /proc/self/fd/1 /dev/stdout
+    ln -sf /proc/self/fd/2 /dev/stderr
+  fi
   mkdir -p /run/lock /run/user
 ) &
+
+# True when $1 already has a default route (read with builtins: no ip process).
+routed() {
+  while read -r iface dest _; do
+    [ "$iface" = "$1" ] && [ "$dest" = 00000000 ] && return 0
+  done </proc/net/route
+  return 1
+}
 
 # ip=<client>::<gateway>:<netmask>:<hostname>:<device>:off:<dns0>[:<dns1>]
 # (the kernel's own syntax, so a kernel with CONFIG_IP_PNP agrees with this script).
@@ -37,7 +48,7 @@ $ipconf
 IPCONF
   [ -n "$name" ] && hostname=$name
   dev=${dev:-eth0}
-  ip -force -batch - <<NET || echo "aenv-init: network setup failed"
+  routed "$dev" || ip -force -batch - <<NET || echo "aenv-init: network setup failed"
 link set lo up
 link set $dev up
 addr replace $addr/$mask dev $dev

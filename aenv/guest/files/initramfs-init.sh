@@ -1,21 +1,30 @@
 #!/bin/sh
 # /init of the cloud kernel's initramfs (busybox). Loads the modules listed in
-# /etc/aenv-modules (already in dependency order), mounts the root disk named by root=
-# (default /dev/vda) read-write, moves /dev over and switch_roots to init= (default
-# /sbin/aenv-init), passing on its arguments. Prints "aenv-initrd: <phase> <uptime>" markers on the console.
+# /etc/aenv-modules (already in dependency order), brings up lo and the ip= interface as a
+# kernel with CONFIG_IP_PNP would, adds the /dev links a userland expects, mounts the root
+# disk named by root= (default /dev/vda) read-write, moves /dev over and switch_roots to
+# init= (default /sbin/aenv-init), passing on its arguments. Busybox is static, so these
+# commands cost a fraction of what the image's dynamically linked ip and ln cost under
+# emulation; aenv-init skips what is already done. Prints "aenv-initrd: <phase> <uptime>"
+# markers on the console.
 export PATH=/bin
 mount -t proc proc /proc
 mount -t devtmpfs devtmpfs /dev
 mark() { read -r up _ </proc/uptime; echo "aenv-initrd: $1 $up"; }
 mark start
+ln -sfn /proc/self/fd /dev/fd
+ln -sf /proc/self/fd/0 /dev/stdin
+ln -sf /proc/self/fd/1 /dev/stdout
+ln -sf /proc/self/fd/2 /dev/stderr
 
-root=/dev/vda fstype=ext4 flags=rw init=/sbin/aenv-init
+root=/dev/vda fstype=ext4 flags=rw init=/sbin/aenv-init ipconf=
 read -r cmdline </proc/cmdline
 for arg in $cmdline; do
   case "$arg" in
     root=*) root=${arg#root=} ;;
     rootfstype=*) fstype=${arg#rootfstype=} ;;
     init=*) init=${arg#init=} ;;
+    ip=*) ipconf=${arg#ip=} ;;
     ro) flags=ro ;;
     rw) flags=rw ;;
   esac
@@ -25,6 +34,18 @@ while read -r mod; do
   insmod "/lib/modules/$mod.ko" || echo "aenv-initrd: insmod $mod failed"
 done </etc/aenv-modules
 mark modules-loaded
+
+# ip=<client>::<gateway>:<netmask>:<hostname>:<device>:... (see aenv-init for the rest).
+ip link set lo up
+if [ -n "$ipconf" ]; then
+  IFS=: read -r addr _ gw mask _ dev _ <<IPCONF
+$ipconf
+IPCONF
+  dev=${dev:-eth0}
+  { ip link set "$dev" up && ip addr add "$addr/$mask" dev "$dev" &&
+    ip route add default via "$gw" dev "$dev"; } || echo "aenv-initrd: network setup failed"
+fi
+mark network
 
 i=0
 while [ ! -b "$root" ]; do
