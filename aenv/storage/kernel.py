@@ -12,11 +12,16 @@ Two flavors:
 
 Each kernel lives in ``Settings.kernels_dir/<flavor>-<version>/`` with a ``manifest.json``
 naming its files; ``ensure_kernel`` returns the newest complete one of a flavor or builds it.
+The manifest also records the recipe of the cloud initramfs (``initramfs_recipe``): a
+kernel prepared by an older aenv gets its initramfs rewritten from the kept module tree the
+next time it is asked for, so fixes to the initramfs reach existing installs.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -28,9 +33,9 @@ from pathlib import Path
 
 from ..config import Settings
 from . import debian, vmlinux
-from ._fsutil import build_lock, staging
+from ._fsutil import build_lock, scratch, staging
 from .cpio import CpioWriter
-from .errors import KernelError
+from .errors import KernelError, StorageError
 
 FLAVORS = ("cloud", "small")
 MANIFEST = "manifest.json"
@@ -56,6 +61,8 @@ _BUSYBOX_APPLETS = (
 
 ProgressFn = Callable[[str], None]
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class Kernel:
@@ -65,6 +72,7 @@ class Kernel:
     initrd: Path | None  # initramfs (cloud: loads virtio modules, then switch_root)
     modules: Path | None = None  # /lib/modules/<version> tree for images (None: all built in)
     source: str = ""  # what it was made from, e.g. "linux-image-6.1.0-57-cloud-amd64 6.1.192-3"
+    initrd_recipe: str = ""  # initramfs_recipe() the initrd was written with ("" if none)
 
     @property
     def directory(self) -> Path:
@@ -79,9 +87,12 @@ def ensure_kernel(settings: Settings, flavor: str = "cloud", progress: ProgressF
     """
     _check_flavor(flavor)
     found = [k for k in list_kernels(settings) if k.flavor == flavor]
-    if found:
-        return found[0]
-    return build_kernel(settings, flavor, progress=progress)
+    if not found:
+        return build_kernel(settings, flavor, progress=progress)
+    kernel = found[0]
+    if kernel.initrd is not None and kernel.initrd_recipe != initramfs_recipe():
+        kernel = _refresh_initrd(settings, kernel, progress or _quiet)
+    return kernel
 
 
 def build_kernel(settings: Settings, flavor: str = "cloud", *, progress: ProgressFn | None = None,
@@ -124,6 +135,7 @@ def read_manifest(directory: Path) -> tuple[float, Kernel]:
             initrd=directory / data["initrd"] if data.get("initrd") else None,
             modules=directory / data["modules"] if data.get("modules") else None,
             source=data.get("source", ""),
+            initrd_recipe=data.get("initrd_recipe", ""),
         )
     except (ValueError, KeyError, TypeError) as e:
         raise KernelError(f"bad kernel manifest in {directory}: {e}") from None
@@ -134,7 +146,14 @@ def read_manifest(directory: Path) -> tuple[float, Kernel]:
 
 def write_manifest(directory: Path, kernel_fields: dict[str, object]) -> None:
     data = {**kernel_fields, "built_at": time.time()}
-    (directory / MANIFEST).write_text(json.dumps(data, indent=2) + "\n")
+    _replace_file(directory / MANIFEST, (json.dumps(data, indent=2) + "\n").encode())
+
+
+def _replace_file(path: Path, data: bytes) -> None:
+    """Write ``path`` whole or not at all (a new inode: hard links to the old one keep it)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
 
 
 def _check_flavor(flavor: str) -> None:
@@ -164,33 +183,23 @@ def _build_cloud(settings: Settings, progress: ProgressFn) -> Kernel:
         if (final / MANIFEST).is_file():
             return read_manifest(final)[1]
         debs = settings.cache_dir / "debs"
-        progress(f"downloading {image_name} {meta.version} and busybox-static")
-        kernel_deb, busybox_deb = debian.download(
-            [image_pkg, debian.candidate("busybox-static")], debs
-        )
+        progress(f"downloading {image_name} {meta.version}")
+        (kernel_deb,) = debian.download([image_pkg], debs)
         with staging(final) as out:
             unpacked = out / ".unpack"
             progress(f"unpacking {kernel_deb.name}")
             debian.unpack(kernel_deb, unpacked)
-            debian.unpack(busybox_deb, unpacked / "busybox")
             vmlinuz = unpacked / "boot" / f"vmlinuz-{version}"
             if not vmlinuz.is_file():
                 raise KernelError(f"{kernel_deb.name} has no boot/vmlinuz-{version}")
             progress("extracting vmlinux from vmlinuz")
             (out / "vmlinux").write_bytes(vmlinux.extract(vmlinuz.read_bytes()))
             shutil.copy2(unpacked / "boot" / f"config-{version}", out / "config")
-            modules_src = unpacked / "lib" / "modules" / version
-            progress("writing the initramfs")
-            modules = ModuleTree(modules_src)
-            order = modules.load_order(INITRAMFS_MODULES)
-            initrd = initramfs(
-                busybox=(unpacked / "busybox" / "bin" / "busybox").read_bytes(),
-                modules=[(name, modules.path(name).read_bytes()) for name in order],
-            )
-            (out / "initrd.img").write_bytes(initrd)
             os.makedirs(out / "modules", exist_ok=True)
-            os.rename(modules_src, out / "modules" / version)
+            os.rename(unpacked / "lib" / "modules" / version, out / "modules" / version)
             shutil.rmtree(unpacked)
+            progress("writing the initramfs")
+            order = _write_initrd(settings, out / "initrd.img", out / "modules" / version)
             write_manifest(out, {
                 "flavor": "cloud",
                 "version": version,
@@ -198,10 +207,59 @@ def _build_cloud(settings: Settings, progress: ProgressFn) -> Kernel:
                 "initrd": "initrd.img",
                 "modules": f"modules/{version}",
                 "initrd_modules": order,
+                "initrd_recipe": initramfs_recipe(),
                 "source": f"{image_name} {meta.version}",
             })
     progress(f"kernel cloud {version} ready")
     return read_manifest(final)[1]
+
+
+def _write_initrd(settings: Settings, path: Path, modules_root: Path) -> list[str]:
+    """Write the cloud initramfs for the module tree at ``modules_root`` to ``path``; returns
+    the module load order."""
+    (busybox_deb,) = debian.download([debian.candidate("busybox-static")],
+                                     settings.cache_dir / "debs")
+    with scratch(settings.cache_dir) as tmp:
+        debian.unpack(busybox_deb, tmp)
+        busybox = (tmp / "bin" / "busybox").read_bytes()
+    modules = ModuleTree(modules_root)
+    order = modules.load_order(INITRAMFS_MODULES)
+    _replace_file(path, initramfs(
+        busybox=busybox, modules=[(name, modules.path(name).read_bytes()) for name in order]))
+    return order
+
+
+def _refresh_initrd(settings: Settings, kernel: Kernel, progress: ProgressFn) -> Kernel:
+    """``kernel`` with its initramfs rewritten to the current recipe. Running VMs are not
+    affected (the VMM read the old file at start, and a rename leaves it to them); when the
+    rewrite fails (say busybox cannot be downloaded) the old initramfs, which still boots,
+    is kept and the failure logged."""
+    directory = kernel.directory
+    with build_lock(settings.kernels_dir):
+        data = json.loads((directory / MANIFEST).read_text())
+        if data.get("initrd_recipe") == initramfs_recipe():
+            return read_manifest(directory)[1]
+        if kernel.modules is None or kernel.initrd is None:
+            return kernel
+        progress(f"rewriting the initramfs of kernel {kernel.version} (aenv changed it)")
+        try:
+            order = _write_initrd(settings, kernel.initrd, kernel.modules)
+        except (OSError, StorageError) as e:
+            log.warning("kept the old initramfs of %s: %s", kernel.version, e)
+            return kernel
+        data.update(initrd_modules=order, initrd_recipe=initramfs_recipe())
+        _replace_file(directory / MANIFEST, (json.dumps(data, indent=2) + "\n").encode())
+    return read_manifest(directory)[1]
+
+
+def initramfs_recipe() -> str:
+    """sha256 over what the cloud initramfs is made of besides the kernel's own modules:
+    its /init, the busybox applets it links and the module list."""
+    h = hashlib.sha256()
+    h.update(resources.files("aenv.guest").joinpath("files/initramfs-init.sh").read_bytes())
+    h.update(" ".join(_BUSYBOX_APPLETS).encode() + b"\n")
+    h.update(" ".join(INITRAMFS_MODULES).encode())
+    return h.hexdigest()
 
 
 class ModuleTree:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import json
 import os
 import subprocess
 import time
@@ -12,7 +13,14 @@ import pytest
 from aenv.config import Settings
 from aenv.storage import vmlinux
 from aenv.storage.errors import KernelError
-from aenv.storage.kernel import ModuleTree, ensure_kernel, initramfs, list_kernels
+from aenv.storage.kernel import (
+    MANIFEST,
+    ModuleTree,
+    ensure_kernel,
+    initramfs,
+    initramfs_recipe,
+    list_kernels,
+)
 
 
 def _module_tree(tmp_path, deps: dict[str, str], builtin=()):
@@ -82,6 +90,34 @@ def test_a_prepared_kernel_is_returned_from_the_cache(cloud_kernel):
     assert again == cloud_kernel
     assert time.monotonic() - t0 < 0.5
     assert cloud_kernel in list_kernels(Settings.from_env())
+
+
+def test_a_kernel_prepared_with_an_older_initramfs_gets_the_current_one(cloud_kernel, tmp_path):
+    """An upgrade of aenv reaches kernels prepared before it: the initramfs is rewritten
+    from the kept modules, the kernel and modules stay, and hard links to the old files
+    (a copy made with cp -l, or a VM's working directory) keep the old contents."""
+    real = Settings.from_env()
+    old = Settings(home=tmp_path / "home", cache_home=tmp_path / "artifacts")
+    copy = old.kernels_dir / cloud_kernel.directory.name
+    copy.parent.mkdir(parents=True)
+    subprocess.run(["cp", "-al", str(cloud_kernel.directory), str(copy)], check=True)
+    old.cache_dir.mkdir(parents=True)
+    (old.cache_dir / "debs").symlink_to(real.cache_dir / "debs")  # busybox-static, offline
+    manifest = json.loads((copy / MANIFEST).read_text())
+    manifest["initrd_recipe"] = "an older aenv"
+    (copy / MANIFEST).unlink()  # a new inode: the shared one is the real kernel's
+    (copy / MANIFEST).write_text(json.dumps(manifest))
+    (copy / "initrd.img").unlink()
+    (copy / "initrd.img").write_bytes(b"old initramfs")
+
+    kernel = ensure_kernel(old, "cloud")
+
+    assert kernel.directory == copy and kernel.initrd_recipe == initramfs_recipe()
+    assert gzip.decompress(kernel.initrd.read_bytes()) == gzip.decompress(
+        cloud_kernel.initrd.read_bytes())
+    assert json.loads((copy / MANIFEST).read_text())["built_at"] == manifest["built_at"]
+    assert os.path.samefile(copy / "vmlinux", cloud_kernel.vmlinux)
+    assert ensure_kernel(old, "cloud") == kernel  # and only once
 
 
 def test_unknown_flavor_is_refused(settings):
