@@ -145,7 +145,10 @@ def read_manifest(directory: Path) -> tuple[float, Kernel]:
 
 
 def write_manifest(directory: Path, kernel_fields: dict[str, object]) -> None:
-    data = {**kernel_fields, "built_at": time.time()}
+    _save_manifest(directory, {**kernel_fields, "built_at": time.time()})
+
+
+def _save_manifest(directory: Path, data: dict[str, object]) -> None:
     _replace_file(directory / MANIFEST, (json.dumps(data, indent=2) + "\n").encode())
 
 
@@ -248,7 +251,7 @@ def _refresh_initrd(settings: Settings, kernel: Kernel, progress: ProgressFn) ->
             log.warning("kept the old initramfs of %s: %s", kernel.version, e)
             return kernel
         data.update(initrd_modules=order, initrd_recipe=initramfs_recipe())
-        _replace_file(directory / MANIFEST, (json.dumps(data, indent=2) + "\n").encode())
+        _save_manifest(directory, data)  # keeps built_at: the kernel is no newer
     return read_manifest(directory)[1]
 
 
@@ -256,7 +259,7 @@ def initramfs_recipe() -> str:
     """sha256 over what the cloud initramfs is made of besides the kernel's own modules:
     its /init, the busybox applets it links and the module list."""
     h = hashlib.sha256()
-    h.update(resources.files("aenv.guest").joinpath("files/initramfs-init.sh").read_bytes())
+    h.update(_initramfs_init())
     h.update(" ".join(_BUSYBOX_APPLETS).encode() + b"\n")
     h.update(" ".join(INITRAMFS_MODULES).encode())
     return h.hexdigest()
@@ -305,10 +308,15 @@ class ModuleTree:
         return order
 
 
+def _initramfs_init() -> bytes:
+    """The initramfs's /init (aenv/guest/files/initramfs-init.sh)."""
+    return resources.files("aenv.guest").joinpath("files/initramfs-init.sh").read_bytes()
+
+
 def initramfs(*, busybox: bytes, modules: Sequence[tuple[str, bytes]]) -> bytes:
     """A gzip newc initramfs: busybox, ``modules`` (name, .ko bytes) in load order, and
     aenv's ``/init`` (aenv/guest/files/initramfs-init.sh)."""
-    init = resources.files("aenv.guest").joinpath("files/initramfs-init.sh").read_bytes()
+    init = _initramfs_init()
     cpio = CpioWriter()
     for d in ("bin", "dev", "etc", "lib", "lib/modules", "newroot", "proc", "sys"):
         cpio.directory(d)
