@@ -9,7 +9,7 @@ one JSON object (seconds). Phases: ``vmm_to_qmp`` (spawn -> QMP answers), ``kern
 (``AENV_HOME``) and are built there on first use. It uses its own name prefix and address
 ranges and removes every VM, disk and slot it made, also when a boot fails.
 
-``--server python`` measures the floor under envd instead: each boot gets a full copy of
+``--server python`` measures the floor under envd instead: each boot gets a raw clone of
 the image with two files written into it by ``debugfs`` (no mount), and the kernel runs
 them in place of aenv's init: a script that mounts /proc, sets up eth0 only when nothing
 did, and execs ``python3 -S`` on a standard-library asyncio server that answers every
@@ -31,12 +31,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from aenv.client.envd import ENVD_PORT
 from aenv.config import Settings
 from aenv.guest.bootargs import guest_boot_args
 from aenv.network import SlotPool
 from aenv.network.guest_link import GUEST_IP, LINK_PREFIXLEN, TAP_IP
 from aenv.runtime import Drive, VMSpec, get_runtime
 from aenv.runtime import workdir as wd
+from aenv.runtime.firecracker_snapshot import clone
 from aenv.runtime.kvm import host_accel
 from aenv.runtime.ready import BootPhases, boot_until_ready
 from aenv.storage.disks import create_disk
@@ -68,7 +70,7 @@ NET
 mark envd-exec
 exec /usr/bin/python3 -S {FLOOR_SERVER}
 """
-_FLOOR_SERVER_PY = """import asyncio
+_FLOOR_SERVER_PY = f"""import asyncio
 
 async def answer(reader, writer):
     try:
@@ -80,7 +82,7 @@ async def answer(reader, writer):
     writer.close()
 
 async def main():
-    server = await asyncio.start_server(answer, "0.0.0.0", 49983)
+    server = await asyncio.start_server(answer, "0.0.0.0", {ENVD_PORT})
     await server.serve_forever()
 
 asyncio.run(main())
@@ -88,16 +90,15 @@ asyncio.run(main())
 
 
 def floor_disk(image: Path, workdir: Path) -> Path:
-    """A full (sparse) raw copy of ``image`` with the floor's init and server in its root.
+    """A raw clone of ``image`` (reflink, else a sparse copy) with the floor's init and server
+    in its root.
 
-    A copy, not the runtime's copy-on-write disk: debugfs writes only raw ext4, and the disk
-    may be a qcow2 overlay on hosts without reflink. It is made before the boot is timed.
+    Not the runtime's copy-on-write disk: debugfs writes only raw ext4, and the disk may be a
+    qcow2 overlay on hosts without reflink. It is made before the boot is timed.
     """
     workdir.mkdir(parents=True, exist_ok=True)
     dest = workdir / "rootfs.raw"
-    subprocess.run(["cp", "--sparse=always", "--reflink=auto", str(image), str(dest)],
-                   check=True)
-    dest.chmod(0o644)
+    clone(image, dest)
     with tempfile.TemporaryDirectory() as tmp:
         commands = []
         for guest_path, text, mode in ((FLOOR_INIT, _FLOOR_INIT_SH, 0o100755),
@@ -136,7 +137,7 @@ async def boot_once(settings: Settings, pool: SlotPool, kernel, image, name: str
             memory_file=wd.default_memory_file(name, workdir, settings.name_prefix),
         )
         vm, phases = await boot_until_ready(get_runtime("qemu"), spec,
-                                            f"http://{slot.host_ip}:49983")
+                                            f"http://{slot.host_ip}:{ENVD_PORT}")
         await vm.stop()
         return phases
     finally:
