@@ -237,10 +237,10 @@ def _refresh_initrd(settings: Settings, kernel: Kernel, progress: ProgressFn) ->
     affected (the VMM read the old file at start, and a rename leaves it to them); when the
     rewrite fails (say busybox cannot be downloaded) the old initramfs, which still boots,
     is kept and the failure logged."""
-    directory = kernel.directory
+    directory, recipe = kernel.directory, initramfs_recipe()
     with build_lock(settings.kernels_dir):
         data = json.loads((directory / MANIFEST).read_text())
-        if data.get("initrd_recipe") == initramfs_recipe():
+        if data.get("initrd_recipe") == recipe:
             return read_manifest(directory)[1]
         if kernel.modules is None or kernel.initrd is None:
             return kernel
@@ -250,7 +250,7 @@ def _refresh_initrd(settings: Settings, kernel: Kernel, progress: ProgressFn) ->
         except (OSError, StorageError) as e:
             log.warning("kept the old initramfs of %s: %s", kernel.version, e)
             return kernel
-        data.update(initrd_modules=order, initrd_recipe=initramfs_recipe())
+        data.update(initrd_modules=order, initrd_recipe=recipe)
         _save_manifest(directory, data)  # keeps built_at: the kernel is no newer
     return read_manifest(directory)[1]
 
