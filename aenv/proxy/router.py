@@ -8,6 +8,13 @@ open"); the SDKs classify errors by those phrases.
 
 Each running sandbox gets its own upstream connection pool keyed by the VM's identity, so
 a keep-alive connection can never reach a newer VM that reuses the same address.
+
+Paths: the proxy checks a path once and forwards exactly the bytes it checked
+(``upstream_path``). It never re-normalises them, so what envd routes is what was checked.
+Paths with a ``.`` or ``..`` segment (also percent-encoded) are refused with 404 on every
+port; on envd's port so are encoded dots, slashes and backslashes (no envd route has one),
+and envd's internal routes (``/init`` and E2B's orchestrator-only ones) in any spelling:
+``//init``, ``/init/``, ``/INIT``.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from urllib.parse import quote, unquote
 
 import httpx
 import websockets
@@ -34,8 +42,11 @@ _HOP_BY_HOP = {
     b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length",
 }
 _STRIP = {b"e2b-sandbox-id", b"e2b-sandbox-port", b"e2b-traffic-access-token", b"x-api-key"}
-# envd routes the orchestrator uses; never reachable from outside.
-_ENVD_INTERNAL = {"/init"}
+# envd routes the orchestrator uses (aenv's envd has /init; E2B's envd also the rest, spec
+# 3.2); never reachable from outside.
+_ENVD_INTERNAL = frozenset({"/init", "/freeze", "/unfreeze", "/collapse", "/fsfreeze",
+                            "/fsthaw", "/upgrade"})
+_ENCODED_SEPARATOR = re.compile(rb"%(?:2e|2f|5c)", re.IGNORECASE)
 
 
 def parse_host(host: str | None) -> tuple[int, str] | None:
@@ -54,6 +65,31 @@ class Route:
     envd_token: str | None
     traffic_token: str | None
     public_traffic: bool = True
+
+
+def upstream_path(scope: Scope, port: int) -> bytes | None:
+    """The request's path as it goes upstream, byte for byte, or None to refuse it (404).
+
+    The check runs on the path decoded once, as the upstream server decodes it, and the
+    raw bytes are forwarded unchanged (see the module docstring for what is refused).
+    """
+    raw = scope.get("raw_path") or quote(scope["path"], safe="/:@!$&'()*+,;=~").encode()
+    try:
+        text = raw.decode("ascii")
+    except UnicodeDecodeError:
+        return None
+    if not text.startswith("/"):
+        return None
+    segments = unquote(text).split("/")
+    if "." in segments or ".." in segments:
+        return None
+    if port == ENVD_PORT:
+        if _ENCODED_SEPARATOR.search(raw):
+            return None
+        canonical = "/" + "/".join(s for s in segments if s)
+        if canonical.lower() in _ENVD_INTERNAL:
+            return None
+    return raw
 
 
 class RouteTable:
@@ -130,6 +166,13 @@ class ProxyRouter:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, sandbox_id: str,
                        port: int) -> None:
+        path = upstream_path(scope, port)
+        if path is None:
+            # Checked before the lookup, which may resume a paused sandbox.
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008})
+                return
+            return await _answer(send, *_json(404, {"code": 404, "message": "not found"}))
         route = await self.routes.lookup(sandbox_id)
         if route is None:
             if scope["type"] == "websocket":
@@ -141,18 +184,13 @@ class ProxyRouter:
                 await send({"type": "websocket.close", "code": 1008})
                 return
             return await _answer(send, *_json(
-                403 if port != ENVD_PORT else 404,
-                {"code": 403 if port != ENVD_PORT else 404,
-                 "message": "missing or invalid traffic access token"
-                 if port != ENVD_PORT else "not found"}))
+                403, {"code": 403, "message": "missing or invalid traffic access token"}))
         if scope["type"] == "websocket":
-            return await self._websocket(scope, receive, send, route, port)
-        await self._http(scope, receive, send, route, port)
+            return await self._websocket(scope, receive, send, route, port, path)
+        await self._http(scope, receive, send, route, port, path)
 
     def _allowed(self, scope: Scope, route: Route, port: int) -> bool:
-        if port == ENVD_PORT:
-            return scope["path"] not in _ENVD_INTERNAL
-        if route.public_traffic:
+        if port == ENVD_PORT or route.public_traffic:
             return True
         if not route.traffic_token:
             return False
@@ -160,9 +198,11 @@ class ProxyRouter:
         return hmac.compare_digest(given.encode(), route.traffic_token.encode())
 
     async def _http(self, scope: Scope, receive: Receive, send: Send, route: Route,
-                    port: int) -> None:
-        url = httpx.URL(scheme="http", host=route.host_ip, port=port, path=scope["path"],
-                        query=scope.get("query_string", b""))
+                    port: int, path: bytes) -> None:
+        # ``path`` has no dot segments, so httpx leaves it as it is (it only escapes bytes
+        # that HTTP/1.1 does not allow raw, which decode to the same path).
+        url = httpx.URL(scheme="http", host=route.host_ip, port=port, path=path.decode("ascii"),
+                        query=scope.get("query_string") or None)
         headers = [(k, v) for k, v in scope["headers"]
                    if k not in _HOP_BY_HOP and k not in _STRIP]
         host = _header(scope, b"host")
@@ -194,9 +234,9 @@ class ProxyRouter:
             await upstream.aclose()
 
     async def _websocket(self, scope: Scope, receive: Receive, send: Send, route: Route,
-                         port: int) -> None:
-        query = scope.get("query_string", b"").decode()
-        uri = f"ws://{route.host_ip}:{port}{scope['path']}" + (f"?{query}" if query else "")
+                         port: int, path: bytes) -> None:
+        query = scope.get("query_string", b"").decode("latin-1")
+        uri = f"ws://{route.host_ip}:{port}{path.decode('ascii')}" + (f"?{query}" if query else "")
         headers = [(k.decode(), v.decode()) for k, v in scope["headers"]
                    if k not in _HOP_BY_HOP and k not in _STRIP
                    and not k.startswith(b"sec-websocket")]

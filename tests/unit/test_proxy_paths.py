@@ -1,0 +1,180 @@
+"""Which request paths the proxy forwards to a sandbox, and that it forwards exactly them.
+
+envd's ``/init`` sets the access token; a request that reached it from outside could turn
+envd's auth off. These tests speak raw HTTP/1.1 to a real uvicorn listener (an HTTP client
+would normalise ``/./init`` before sending it) and put a fake envd behind the proxy that
+records every request line it receives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator
+
+import pytest
+import uvicorn
+
+from aenv.proxy import ProxyRouter, Route, RouteTable
+from aenv.proxy.front import Front
+from aenv.proxy.router import ENVD_PORT
+from tests.conftest import free_port
+
+USER_PORT = 3000
+
+
+class FakeUpstream:
+    """Answers every request with 200 "ok" and remembers its request line."""
+
+    def __init__(self) -> None:
+        self.seen: list[bytes] = []
+        self.servers: list[asyncio.Server] = []
+        self.host = ""
+
+    async def start(self) -> None:
+        for _ in range(20):  # a loopback address nobody else in the test run uses
+            host = "127." + ".".join(str(random.randint(100, 250)) for _ in range(3))
+            try:
+                for port in (ENVD_PORT, USER_PORT):
+                    self.servers.append(await asyncio.start_server(self._serve, host, port))
+            except OSError:
+                await self.close()
+                continue
+            self.host = host
+            return
+        raise RuntimeError("no free loopback address for the fake upstream")
+
+    async def close(self) -> None:
+        for s in self.servers:
+            s.close()
+            await s.wait_closed()
+        self.servers.clear()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        self.seen.append(head.split(b"\r\n", 1)[0])
+        length = 0
+        for line in head.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        if length:
+            await reader.readexactly(length)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+        await writer.drain()
+        writer.close()
+
+
+async def _api(scope, receive, send) -> None:
+    await send({"type": "http.response.start", "status": 418, "headers": []})
+    await send({"type": "http.response.body", "body": b"api"})
+
+
+async def _no_sandbox(*_: object) -> str | None:
+    return None
+
+
+@pytest.fixture(params=["h11", "httptools"])
+async def proxy(request) -> AsyncIterator[tuple[int, FakeUpstream]]:
+    upstream = FakeUpstream()
+    await upstream.start()
+
+    async def lookup(sandbox_id: str) -> Route | None:
+        return Route(sandbox_id, upstream.host, "gen-1", "tok", None)
+
+    router = ProxyRouter(RouteTable(lookup))
+    app = Front(_api, router, _no_sandbox, _no_sandbox)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, http=request.param,
+                                           log_level="warning", lifespan="off"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    try:
+        yield port, upstream
+    finally:
+        server.should_exit = True
+        await task
+        await router.close()
+        await upstream.close()
+
+
+async def _raw(port: int, target: str, *, sandbox_port: int = ENVD_PORT,
+               websocket: bool = False) -> int:
+    """Send one request with ``target`` exactly as written; the response status."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    head = (f"{'GET' if websocket else 'POST'} {target} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"E2b-Sandbox-Id: sbxa\r\nE2b-Sandbox-Port: {sandbox_port}\r\n")
+    if websocket:
+        writer.write(head.encode() + b"Connection: Upgrade\r\nUpgrade: websocket\r\n"
+                     b"Sec-WebSocket-Version: 13\r\n"
+                     b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
+    else:
+        body = b'{"accessToken":""}'
+        writer.write(head.encode() + b"Content-Type: application/json\r\nContent-Length: "
+                     + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+    await writer.drain()
+    status_line = await reader.readline()
+    await reader.read()
+    writer.close()
+    return int(status_line.split()[1])
+
+
+INIT_SPELLINGS = [
+    "/init", "/./init", "/x/../init", "/%2e/init", "/%2E%2E/init", "/x/%2e%2e/init",
+    "//init", "/init/", "/init//", "///init", "/INIT", "/Init/", "/%69nit", "/%2finit",
+    "/x%2f..%2finit", "/.%2e/init", "/x/..%2Finit", "/x/..%5cinit", "/freeze", "//upgrade/",
+]
+
+
+@pytest.mark.parametrize("target", INIT_SPELLINGS)
+async def test_envd_internal_routes_are_404_in_any_spelling_and_never_reach_envd(
+        proxy, target) -> None:
+    port, upstream = proxy
+    assert await _raw(port, target) == 404
+    assert upstream.seen == []
+
+
+@pytest.mark.parametrize("target", ["/./init", "//init", "/%2e%2e/init", "/a/../b"])
+async def test_websocket_upgrades_are_checked_the_same_way(proxy, target) -> None:
+    port, upstream = proxy
+    assert await _raw(port, target, websocket=True) == 403  # uvicorn's answer to a close
+    assert upstream.seen == []
+
+
+@pytest.mark.parametrize("target", [
+    "/health", "/files?path=%2Fhome%2Fuser%2Fa%20b&username=user",
+    "/process.Process/Start", "/filesystem.Filesystem/Stat", "/envs", "/initialize",
+    "/files/init", "/health?x=/../init",
+])
+async def test_ordinary_envd_paths_pass_byte_for_byte(proxy, target) -> None:
+    port, upstream = proxy
+    assert await _raw(port, target) == 200
+    assert upstream.seen == [f"POST {target} HTTP/1.1".encode()]
+
+
+@pytest.mark.parametrize("target", ["/a%2Fb", "/api/%2e%2e-not-a-segment", "/a%20b/c",
+                                    "/%7Euser/x", "/init", "//x"])
+async def test_user_ports_get_the_raw_path_unchanged(proxy, target) -> None:
+    """No path policy applies to user ports, so encoded bytes stay as the client sent them
+    (the proxy used to decode ``%2F`` into a separator)."""
+    port, upstream = proxy
+    assert await _raw(port, target, sandbox_port=USER_PORT) == 200
+    assert upstream.seen == [f"POST {target} HTTP/1.1".encode()]
+
+
+@pytest.mark.parametrize("target", ["/a/../b", "/./x", "/a/%2e%2e/b", "/a/.%2E"])
+async def test_dot_segments_are_refused_on_every_port(proxy, target) -> None:
+    port, upstream = proxy
+    assert await _raw(port, target, sandbox_port=USER_PORT) == 404
+    assert upstream.seen == []
+
+
+def test_upstream_path_without_raw_path_falls_back_to_the_decoded_path() -> None:
+    """ASGI servers may leave ``raw_path`` out; the decoded path is re-encoded then."""
+    from aenv.proxy.router import upstream_path
+
+    scope = {"type": "http", "path": "/a b/%41"}
+    assert upstream_path(scope, USER_PORT) == b"/a%20b/%2541"
+    assert upstream_path({"type": "http", "path": "/./init"}, ENVD_PORT) is None
+
