@@ -6,6 +6,14 @@
 parameter is absent) and ``op`` is ``read`` or ``write``. Checks, in upstream's order:
 no token set -> allowed; a header token must match; else the signature must be present
 and match; then it must not have expired. Each failure has upstream's exact message.
+
+A signature without an expiration never expires (it is as good as the token, for the
+sandbox's life). E2B's envd accepts those, and the SDK makes them by default:
+``download_url(path)`` without ``use_signature_expiration`` signs no expiration. So they
+are accepted unless ``require_expiration`` is set (envd's
+``AENV_ENVD_REQUIRE_SIGNATURE_EXPIRATION=1``), which refuses them with a 401 as well.
+The expiration is part of the signed string, so it cannot be dropped or moved without
+invalidating the signature.
 """
 
 from __future__ import annotations
@@ -13,16 +21,22 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import os
 import time
 from typing import Literal
 
 from .state import EnvdState
 
 Operation = Literal["read", "write"]
+REQUIRE_EXPIRATION_ENV = "AENV_ENVD_REQUIRE_SIGNATURE_EXPIRATION"
 
 
 class SigningError(Exception):
     """The request may not use ``/files``; the message is the 401 body's."""
+
+
+def expiration_required_by_env() -> bool:
+    return os.environ.get(REQUIRE_EXPIRATION_ENV, "").strip().lower() in ("1", "true", "yes")
 
 
 def signature(
@@ -44,6 +58,7 @@ def check(
     username: str | None,
     path: str,
     operation: Operation,
+    require_expiration: bool = False,
 ) -> None:
     """Raise SigningError unless the request is authorised for ``operation`` on ``path``."""
     token = state.access_token
@@ -58,5 +73,7 @@ def check(
     expected = signature(path, operation, username or "", token, expiration)
     if not hmac.compare_digest(expected.encode(), signature_param.encode()):
         raise SigningError("invalid signature")
+    if expiration is None and require_expiration:
+        raise SigningError("signature without expiration is not accepted")
     if expiration is not None and expiration < int(time.time()):
         raise SigningError("signature is already expired")

@@ -1,11 +1,13 @@
 """``GET /files`` (download) and ``POST /files`` (upload) over HTTP.
 
 Both check access first (``signing.check``: the ``X-Access-Token`` header or a signed
-URL; 401), then resolve the user (``username`` query parameter, else the default user;
-an unknown one is 401), then the path (relative to the user's home, ``~`` expanded,
-empty = default workdir). The user only decides those paths and who owns what an upload
-creates: envd, running as root, checks no per-user permissions (see the filesystem
-service). Every error answers ``{"code": <status>, "message": ...}``.
+URL; 401; signed URLs without an expiration are refused too when
+``AENV_ENVD_REQUIRE_SIGNATURE_EXPIRATION=1`` was set when envd started), then resolve the
+user (``username`` query parameter, else the default user; an unknown one is 401), then
+the path (relative to the user's home, ``~`` expanded, empty = default workdir). The user
+only decides those paths and who owns what an upload creates: envd, running as root,
+checks no per-user permissions (see the filesystem service). Every error answers
+``{"code": <status>, "message": ...}``.
 
 Uploads take ``application/octet-stream`` (``path`` required) or ``multipart/form-data``
 (parts named ``file``; the target is the ``path`` parameter, else the part's full
@@ -59,7 +61,8 @@ class _Query:
         return cls(q.get("path"), q.get("username"), q.get("signature"), expiration)
 
 
-def _authorize(state: EnvdState, request: Request, q: _Query, operation: signing.Operation) -> User:
+def _authorize(state: EnvdState, request: Request, q: _Query, operation: signing.Operation,
+               require_expiration: bool) -> User:
     try:
         signing.check(
             state,
@@ -69,6 +72,7 @@ def _authorize(state: EnvdState, request: Request, q: _Query, operation: signing
             username=q.username,
             path=q.path or "",
             operation=operation,
+            require_expiration=require_expiration,
         )
     except signing.SigningError as e:
         raise FilesHTTPError(401, str(e)) from None
@@ -95,11 +99,16 @@ def _metadata(request: Request) -> dict[str, str]:
     return found
 
 
-def routes(state: EnvdState) -> list[Route]:
+def routes(state: EnvdState, *, require_signature_expiration: bool | None = None) -> list[Route]:
+    """The two ``/files`` routes. ``require_signature_expiration`` None means the
+    environment decides (``AENV_ENVD_REQUIRE_SIGNATURE_EXPIRATION``, read once here)."""
+    strict = (signing.expiration_required_by_env() if require_signature_expiration is None
+              else require_signature_expiration)
+
     async def download(request: Request) -> Response:
         try:
             q = _Query.of(request)
-            user = _authorize(state, request, q, "read")
+            user = _authorize(state, request, q, "read", strict)
             path = resolve_path(q.path or "", user, state.default_workdir)
             fd, st = open_regular(path)
             try:
@@ -121,7 +130,7 @@ def routes(state: EnvdState) -> list[Route]:
         try:
             q = _Query.of(request)
             coding = request_coding(request.headers.get("content-encoding"))
-            user = _authorize(state, request, q, "write")
+            user = _authorize(state, request, q, "write", strict)
             metadata = _metadata(request)
             content_type = request.headers.get("content-type", "")
             try:
