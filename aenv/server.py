@@ -63,7 +63,8 @@ class Server:
             self.sandboxes, self.templates, machines,
             limits=self.options.limits, ttl_interval=self.options.ttl_interval,
         )
-        self.builder = Builder(self.templates, machines, settings.cache_dir / "build-files")
+        self.builder = Builder(self.templates, machines, settings.cache_dir / "build-files",
+                               pins=self.orchestrator.pins)
         self.metrics = MetricsCollector(self.sandboxes, interval=self.options.metrics_interval)
         self.proxy = ProxyRouter(RouteTable(self._route))
         self.orchestrator.on_stop.append(self.proxy.forget)

@@ -24,8 +24,9 @@ from typing import Any
 from ..client.envd import ENVD_PORT, EnvdClient
 from ..store import BuildRecord, SandboxRecord, TemplateRecord, TemplateStore
 from .errors import Conflict, InvalidRequest, TemplateNotFound
-from .ids import new_id, new_snapshot_ref, new_token
+from .ids import new_id, new_layer_ref, new_snapshot_ref, new_token
 from .machine import Machines
+from .pins import Pins
 
 log = logging.getLogger("aenv.builds")
 
@@ -56,10 +57,14 @@ class BuildContext:
 
 
 class Builder:
-    def __init__(self, templates: TemplateStore, machines: Machines, files_dir: Path) -> None:
+    def __init__(self, templates: TemplateStore, machines: Machines, files_dir: Path,
+                 pins: Pins | None = None) -> None:
         self.templates = templates
         self.machines = machines
         self.files_dir = files_dir
+        # Shared with the orchestrator's garbage collection: the parent's image is read for
+        # the whole build, the new image is written before the template names it.
+        self.pins = pins or Pins()
         self._tasks: dict[str, asyncio.Task] = {}
 
     # -- requests -------------------------------------------------------------------------
@@ -154,6 +159,12 @@ class Builder:
 
     async def _run(self, template_id: str, build_id: str, parent: TemplateRecord,
                    spec: dict[str, Any], names: list[str]) -> None:
+        image = new_snapshot_ref() if self.machines.can_pause else new_layer_ref()
+        with self.pins.hold(parent.image, image):
+            await self._build(template_id, build_id, parent, spec, names, image)
+
+    async def _build(self, template_id: str, build_id: str, parent: TemplateRecord,
+                     spec: dict[str, Any], names: list[str], image: str) -> None:
         tpl = self.templates.get(template_id)
         assert tpl is not None
         vm = SandboxRecord(
@@ -188,11 +199,10 @@ class Builder:
                 # Templates are snapshots: creating from one restores it, start command
                 # and all, instead of booting.
                 self._log(build_id, "snapshotting the template VM", step="finalize")
-                image = new_snapshot_ref()
                 await self.machines.pause(vm, True, image)
             else:
                 self._log(build_id, "committing the root filesystem", step="finalize")
-                image = await self.machines.commit(vm, template_id)
+                await self.machines.commit(vm, image)
             started = False
         except StepFailed as e:
             self._fail(build_id, template_id, e.step, str(e))

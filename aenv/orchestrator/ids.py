@@ -24,6 +24,11 @@ def is_valid_id(value: str) -> bool:
     return 0 < len(value) <= 64 and all(c in _ALPHABET for c in value)
 
 
+def new_layer_ref() -> str:
+    """``layer:<id>``: the name of a committed disk layer in the node's layer store."""
+    return "layer:" + new_id()
+
+
 def new_snapshot_ref() -> str:
     """``snapshot:<id>``: the name of a snapshot in the node's snapshot store."""
     return "snapshot:" + new_id()

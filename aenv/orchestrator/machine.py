@@ -7,6 +7,7 @@ the result; tests of the lifecycle can stand in a fake here without touching the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -58,7 +59,10 @@ class Machines(Protocol):
     async def pause(self, rec: SandboxRecord, memory: bool, ref: str) -> None:
         """Save the sandbox as snapshot ``ref`` — memory, devices and disk, or with
         ``memory`` false the disk alone (resuming it boots) — then stop its VM and release
-        its slot. Resuming is ``start`` with a template whose image is ``ref``."""
+        its slot. Resuming is ``start`` with a template whose image is ``ref``. On failure
+        either ``ref`` is complete (only the VM's end failed) or it does not exist and the
+        VM runs on as before — unless the VM itself died; the disk is never lost.
+        ``ref`` is durable (fsynced) once complete."""
 
     async def snapshot(self, rec: SandboxRecord, ref: str) -> None:
         """Capture the running sandbox as ``ref`` (vCPUs frozen only for the capture; it
@@ -67,13 +71,19 @@ class Machines(Protocol):
     def has_snapshot(self, ref: str) -> bool:
         """Whether ``ref`` is a complete snapshot here (an interrupted pause leaves none)."""
 
-    async def collect(self, roots: set[str]) -> int:
-        """Delete every snapshot that neither is in ``roots`` nor is depended on by one
-        that is; returns how many were deleted."""
+    def is_running(self, rec: SandboxRecord) -> bool:
+        """Whether this node holds a live VM for ``rec`` (after a failed pause: the drivers
+        thaw the VM again unless it died)."""
 
-    async def commit(self, rec: SandboxRecord, template_id: str) -> str:
-        """Stop the (build) VM of ``rec`` and keep its root disk as a new read-only layer
-        over its template's; returns the layer reference stored in the new template."""
+    async def collect(self, roots: Callable[[], set[str]]) -> int:
+        """Delete every snapshot and layer that neither is in ``roots()`` nor is depended on
+        by one that is; returns how many were deleted. ``roots`` is called while snapshot
+        writes are held off, so a snapshot committed before the call is always seen. When a
+        dependency cannot be read, nothing is deleted (fail closed)."""
+
+    async def commit(self, rec: SandboxRecord, ref: str) -> None:
+        """Stop the (build) VM of ``rec`` and keep its root disk as the new read-only layer
+        ``ref`` (``layer:<id>``, pinned by the caller) over its template's."""
 
     def logs(self, rec: SandboxRecord, start: int | None, limit: int) -> list[dict]:
         """Console lines of the sandbox's VM: ``[{"timestamp": ms, "line": str}]``."""

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,7 @@ log = logging.getLogger("aenv.node")
 
 ENVD_READY_TIMEOUT_S = 60.0
 START_READY_TIMEOUT_S = 120.0
+GUEST_SYNC_TIMEOUT_S = 60.0  # a filesystem pause's `sync` in the guest
 CONSOLE_CHECK_S = 10.0  # how often the running VMs' console logs are held to their bound
 
 
@@ -333,16 +335,18 @@ class NodeMachines:
         self._running[rec.id] = _Running(vm, slot, None)
         return True
 
-    async def commit(self, rec: SandboxRecord, template_id: str) -> str:
+    async def commit(self, rec: SandboxRecord, ref: str) -> None:
         running = self._running.pop(rec.id, None)
         if running is None or running.disk is None:
             raise InvalidRequest(f"build VM {rec.id} is not running on this node")
         await running.vm.stop()
         await asyncio.to_thread(self._release, running.slot)
-        layer = disk_layers.commit(running.disk, self.settings.layers_dir,
-                                   f"{template_id}-{rec.id}")
+        # Under the snapshot lock: a collection scanning the layer store meanwhile would
+        # find a layer that no root names yet. The caller pins the reference.
+        async with self._snapshot_lock:
+            await asyncio.to_thread(disk_layers.commit, running.disk, self.settings.layers_dir,
+                                    disk_layers.layer_id(ref))
         await asyncio.to_thread(wd.remove, Path(rec.vm_dir or running.vm.workdir))
-        return layer.ref()
 
     async def pause(self, rec: SandboxRecord, memory: bool, ref: str) -> None:
         """Pause to ``ref``: a VM snapshot (``memory``) or the disk alone; either way the VMM
@@ -351,21 +355,41 @@ class NodeMachines:
         if running is None:
             raise InvalidRequest(f"sandbox {rec.id} has no VM on this node")
         directory = self._snapshot_dir(ref)
-        async with self._snapshot_lock:
-            if memory:
+        if memory:
+            async with self._snapshot_lock:
                 info = await running.vm.snapshot(directory, stop=True)
-                log.info("sandbox %s: paused to %s (freeze %.0f ms, total %.0f ms, %d KiB "
-                         "memory, %d layers)", rec.id, directory.name, info.freeze_s * 1000,
-                         info.total_s * 1000, info.memory_bytes // 1024, info.memory_layers,
-                         extra={"sandbox_id": rec.id, "op": "pause", "duration": info.total_s})
-            else:
-                await self._sync_guest(rec, running)
-                await running.vm.stop()
-                await asyncio.to_thread(snapshot_store.save_disk, self._disk_of(rec, running),
-                                        directory)
+            log.info("sandbox %s: paused to %s (freeze %.0f ms, total %.0f ms, %d KiB "
+                     "memory, %d layers)", rec.id, directory.name, info.freeze_s * 1000,
+                     info.total_s * 1000, info.memory_bytes // 1024, info.memory_layers,
+                     extra={"sandbox_id": rec.id, "op": "pause", "duration": info.total_s})
+        else:
+            await self._pause_disk(rec, running, directory)
         self._running.pop(rec.id, None)
         await asyncio.to_thread(self._release, running.slot)
         await asyncio.to_thread(wd.remove, Path(rec.vm_dir or running.vm.workdir))
+
+    async def _pause_disk(self, rec: SandboxRecord, running: _Running,
+                          directory: Path) -> None:
+        """A filesystem-only pause. The snapshot is committed (durably) while the VM is
+        only frozen, and the VM ends after that: a failure before the commit thaws the VM
+        and leaves its disk where it was; nothing ever holds the only copy in between."""
+        disk = self._disk_of(rec, running)
+        # Guest I/O stays outside the node-wide lock: a guest that stalls delays its own
+        # pause only.
+        await self._sync_guest(rec, running)
+        async with self._snapshot_lock:
+            await running.vm.pause()  # QEMU flushes the block layer when the vCPUs stop
+            try:
+                await asyncio.to_thread(snapshot_store.save_disk, disk, directory)
+            except BaseException:
+                if running.vm.is_alive():
+                    await running.vm.resume()
+                raise
+        await running.vm.stop()
+
+    def is_running(self, rec: SandboxRecord) -> bool:
+        running = self._running.get(rec.id)
+        return running is not None and running.vm.is_alive()
 
     async def snapshot(self, rec: SandboxRecord, ref: str) -> None:
         running = self._running.get(rec.id)
@@ -377,29 +401,30 @@ class NodeMachines:
                  ref, info.freeze_s * 1000, info.total_s * 1000,
                  extra={"sandbox_id": rec.id, "op": "snapshot", "duration": info.total_s})
 
-    async def collect(self, roots: set[str]) -> int:
+    async def collect(self, roots: Callable[[], set[str]]) -> int:
         async with self._snapshot_lock:
-            removed = await asyncio.to_thread(
-                snapshot_store.collect, self.settings.snapshots_dir, self.settings.layers_dir,
-                roots)
+            try:
+                removed = await asyncio.to_thread(
+                    snapshot_store.collect, self.settings.snapshots_dir,
+                    self.settings.layers_dir, roots())
+            except snapshot_store.DependenciesUnknown as e:
+                log.error("garbage collection deleted nothing: %s", e)
+                return 0
         return len(removed)
 
     def _disk_of(self, rec: SandboxRecord, running: _Running) -> Disk:
-        if running.disk is not None:
-            return running.disk
-        workdir = Path(rec.vm_dir or running.vm.workdir)
-        for fmt in ("qcow2", "raw"):
-            path = workdir / f"rootfs.{fmt}"
-            if path.exists():
-                real = path.resolve()
-                return Disk(real, fmt, "qcow2" if fmt == "qcow2" else "reflink", real)
-        raise InvalidRequest(f"sandbox {rec.id}: no root disk in {workdir}")
+        """The root disk file the VM writes now: after a running snapshot that is a new
+        overlay, not the file it was started with."""
+        path = running.vm.active_drive("rootfs")
+        fmt = "qcow2" if path.suffix == ".qcow2" else "raw"
+        base = running.disk.base if running.disk is not None else path
+        return Disk(path, fmt, "qcow2" if fmt == "qcow2" else "reflink", base)
 
     async def _sync_guest(self, rec: SandboxRecord, running: _Running) -> None:
         """Flush the guest's page cache to its disk before the disk is kept."""
         envd = EnvdClient(f"http://{running.slot.host_ip}:{ENVD_PORT}", rec.envd_token)
         try:
-            await envd.run("sync", user="root", timeout=60)
+            await envd.run("sync", user="root", timeout=GUEST_SYNC_TIMEOUT_S)
         finally:
             await envd.aclose()
 

@@ -31,6 +31,7 @@ from .errors import (
 )
 from .ids import new_id, new_snapshot_ref, new_token
 from .machine import Machines, Placement
+from .pins import Pins
 from .timing import record_phases
 
 log = logging.getLogger("aenv.orchestrator")
@@ -84,6 +85,8 @@ class Orchestrator:
         self._locks: dict[str, asyncio.Lock] = {}
         self._starting = 0
         self._ttl_task: asyncio.Task | None = None
+        # References in use that no record names yet (see ``pins``); the builder shares it.
+        self.pins = Pins()
         # Called with the sandbox id after its VM stopped (kill, pause): e.g. the proxy
         # drops pooled connections to the address the VM had.
         self.on_stop: list[Callable[[str], Awaitable[None]]] = []
@@ -187,7 +190,10 @@ class Orchestrator:
         try:
             async with self._lock(rec.id):
                 try:
-                    placement = await self.machines.start(rec, tpl)
+                    # The image is read for the whole start, even if its template is
+                    # deleted meanwhile.
+                    with self.pins.hold(tpl.image):
+                        placement = await self.machines.start(rec, tpl)
                 except Exception as e:
                     self._end(rec.id, "killed", f"start failed: {e}")
                     log.exception("sandbox %s: start failed", rec.id)
@@ -210,9 +216,15 @@ class Orchestrator:
     async def snapshot(self, sandbox_id: str, name: str | None = None) -> TemplateRecord:
         """A persistent snapshot of a running sandbox, kept as a template of kind
         ``snapshot``; the source keeps running."""
-        async with self._lock(sandbox_id):
-            rec = self.get(sandbox_id)
-            ref = await self._capture(rec, "snapshotting")
+        ref = new_snapshot_ref()
+        with self.pins.hold(ref):
+            async with self._lock(sandbox_id):
+                rec = self.get(sandbox_id)
+                await self._capture(rec, "snapshotting", ref)
+            return self._insert_snapshot(rec, ref, name)
+
+    def _insert_snapshot(self, rec: SandboxRecord, ref: str, name: str | None
+                         ) -> TemplateRecord:
         now = self.clock()
         snap_id = new_id()
         names = [name] if name else []
@@ -227,15 +239,15 @@ class Orchestrator:
         self.templates.insert(snap)
         return self.templates.get(snap_id) or snap
 
-    async def _capture(self, rec: SandboxRecord, state: str) -> str:
-        """Freeze-capture-thaw ``rec`` (its lock held) through ``state``."""
+    async def _capture(self, rec: SandboxRecord, state: str, ref: str) -> None:
+        """Freeze-capture-thaw ``rec`` (its lock held) through ``state`` into ``ref``
+        (pinned by the caller)."""
         if rec.state != "running":
             raise Conflict(f"sandbox '{rec.id}' is {rec.state}, not running")
         if not self.machines.can_pause:
             raise Unsupported("this node cannot snapshot sandboxes")
         if not self.sandboxes.transition(rec.id, ["running"], state):
             raise Conflict(f"sandbox '{rec.id}' changed state")
-        ref = new_snapshot_ref()
         t0 = self.clock()
         try:
             await self.machines.snapshot(rec, ref)
@@ -245,7 +257,6 @@ class Orchestrator:
         record_phases(state, {"total": self.clock() - t0})
         # The source's disk now reads through the snapshot: it keeps the snapshot alive.
         self.sandboxes.transition(rec.id, [state], "running", restored_from=ref)
-        return ref
 
     async def fork(self, sandbox_id: str, count: int, timeout: int | None = None,
                    timings: dict[str, float] | None = None
@@ -260,10 +271,18 @@ class Orchestrator:
         self.get(sandbox_id)
         # A fork is one request whose children start together: not held to max_starting.
         self._check_capacity(count, starts=False)
+        ref = new_snapshot_ref()
+        # The capture stays pinned until every child is placed: the source may be killed
+        # meanwhile, and the children's records name it only once they run.
+        with self.pins.hold(ref):
+            return await self._fork(sandbox_id, count, ref, timeout, timings)
+
+    async def _fork(self, sandbox_id: str, count: int, ref: str, timeout: int | None,
+                    timings: dict[str, float] | None) -> list[SandboxRecord | Exception]:
         t_capture = self.clock()
         async with self._lock(sandbox_id):
             src = self.get(sandbox_id)
-            ref = await self._capture(src, "forking")
+            await self._capture(src, "forking", ref)
             src = self.get(sandbox_id)
         capture = self.clock() - t_capture
         src_tpl = self.templates.get(src.template_id)
@@ -322,12 +341,13 @@ class Orchestrator:
         placement = await self.machines.start(rec, dataclasses.replace(tpl, image=None))
         rec.vm_dir, rec.slot, rec.host_ip = placement.vm_dir, placement.slot, placement.host_ip
         ref = new_snapshot_ref()
-        try:
-            await self.machines.pause(rec, True, ref)
-        except Exception:
-            await self.machines.stop(rec)
-            raise
-        self.templates.update(tpl.id, image=ref, build_id=key, envd_token=rec.envd_token)
+        with self.pins.hold(ref):
+            try:
+                await self.machines.pause(rec, True, ref)
+            except Exception:
+                await self.machines.stop(rec)
+                raise
+            self.templates.update(tpl.id, image=ref, build_id=key, envd_token=rec.envd_token)
         log.info("template %s: snapshot %s ready in %.1f s", tpl.id, ref, self.clock() - t0)
         await self.collect_garbage()
 
@@ -341,15 +361,18 @@ class Orchestrator:
         self.templates.delete(tpl.id)
 
     def gc_roots(self) -> set[str]:
-        """Every snapshot or layer reference something still uses."""
+        """Every snapshot or layer reference something still uses: what the records name,
+        and what operations in flight have pinned."""
         roots = {t.image for t in self.templates.list() if t.image}
         for r in self.sandboxes.live():
             roots.update(x for x in (r.snapshot_id, r.restored_from) if x)
-        return roots
+        return roots | self.pins.held()
 
     async def collect_garbage(self) -> int:
+        """Delete what no root reaches. The machines ask for the roots once they hold
+        their snapshot lock, so nothing committed while this waited is missed."""
         try:
-            return await self.machines.collect(self.gc_roots())
+            return await self.machines.collect(self.gc_roots)
         except Exception:
             log.exception("snapshot garbage collection failed")
             return 0
@@ -432,9 +455,13 @@ class Orchestrator:
         t0 = self.clock()
         try:
             await self.machines.pause(rec, memory, ref)
-        except Exception:
-            self.sandboxes.transition(rec.id, ["pausing"], "running", snapshot_id=None)
-            raise
+        except Exception as e:
+            if not self.machines.has_snapshot(ref):
+                self._pause_failed(rec, e)
+                raise
+            # The snapshot was committed and only the VM's end failed: it is paused.
+            log.warning("sandbox %s: pause completed despite: %s", rec.id, e)
+            await self.machines.stop(rec)
         record_phases("pause", {"total": self.clock() - t0})
         await self._stopped(rec.id)
         self.sandboxes.transition(
@@ -442,6 +469,16 @@ class Orchestrator:
             pause_mode="full" if memory else "filesystem", vm_pid=None, slot=None, host_ip=None,
         )
         await self.collect_garbage()
+
+    def _pause_failed(self, rec: SandboxRecord, error: Exception) -> None:
+        """No snapshot was committed: the sandbox runs on when its VM is still alive (the
+        drivers give it back thawed), else it is lost — never ``running`` without a VM."""
+        if self.machines.is_running(rec):
+            self.sandboxes.transition(rec.id, ["pausing"], "running", snapshot_id=None)
+            log.warning("sandbox %s: pause failed, still running: %s", rec.id, error)
+        else:
+            self._end(rec.id, "lost", f"pause failed and the VM is gone: {error}")
+            log.error("sandbox %s: pause failed and the VM is gone: %s", rec.id, error)
 
     async def _resume_locked(self, rec: SandboxRecord, timeout: int | None,
                              timings: dict[str, float] | None = None) -> None:

@@ -266,6 +266,16 @@ class VM(abc.ABC):
         not created then.
         """
 
+    def active_drive(self, drive_id: str) -> Path:
+        """The host file the VM writes drive ``drive_id`` to now. A driver whose running
+        snapshots move a drive onto a new file overrides this; by default it is the
+        drive's fixed name in the working directory, resolved."""
+        for fmt in ("qcow2", "raw"):
+            path = self.workdir / f"{drive_id}.{fmt}"
+            if path.exists():
+                return path.resolve()
+        raise VMError(f"no drive {drive_id} in {self.workdir}", vm_id=self.vm_id)
+
     @abc.abstractmethod
     async def stop(self, timeout: float = 5.0) -> None:
         """End the VMM: ask politely, then SIGTERM, then SIGKILL the process group."""

@@ -181,6 +181,16 @@ class QemuVM(VM):
         return await qemu_snapshot.capture(self, directory, stop=stop, incremental=incremental,
                                            max_chain=self._max_chain)
 
+    def active_drive(self, drive_id: str) -> Path:
+        """A running snapshot switches a qcow2 drive onto a new overlay; the lineage
+        records which file is the top now."""
+        lineage = qemu_snapshot.Lineage.load(self.workdir,
+                                             qemu_snapshot.read_machine(self.workdir))
+        try:
+            return (self.workdir / lineage.tops[drive_id]).resolve()
+        except KeyError:
+            raise VMError(f"no writable drive {drive_id}", vm_id=self.vm_id) from None
+
     async def stop(self, timeout: float = 5.0) -> None:
         """QMP ``quit``; if the VMM is still there after ``timeout``, SIGTERM its process
         group, then SIGKILL it. Leaves the working directory (see ``workdir.remove``)."""

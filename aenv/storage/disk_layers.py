@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from . import durable
 from .disks import Disk
 from .errors import StorageError
 
@@ -36,16 +37,26 @@ class Layer:
 
 
 def commit(disk: Disk, directory: Path, layer_id: str) -> Layer:
-    """Move ``disk`` (its VM stopped) into the layer store and freeze it."""
+    """Move ``disk`` (its VM stopped) into the layer store and freeze it; durable on
+    return (data, metadata and the directory entries fsynced)."""
     directory.mkdir(parents=True, exist_ok=True)
     dest = directory / f"{layer_id}.{disk.format}"
     if dest.exists():
         raise LayerError(f"layer {layer_id} already exists")
     os.replace(disk.path, dest)
     os.chmod(dest, 0o444)
+    durable.fsync_file(dest)
     meta = {"id": layer_id, "format": disk.format, "base": str(disk.base)}
-    (directory / f"{layer_id}.json").write_text(json.dumps(meta))
+    durable.write_atomic(directory / f"{layer_id}.json", json.dumps(meta).encode())
     return Layer(layer_id, dest, disk.format)
+
+
+def layer_id(ref: str) -> str:
+    """The id a ``layer:<id>`` reference names (checked: it becomes a file name)."""
+    name = ref.removeprefix("layer:") if ref.startswith("layer:") else ""
+    if not name or "/" in name or name.startswith("."):
+        raise LayerError(f"bad layer reference: {ref!r}")
+    return name
 
 
 def resolve(ref: str, directory: Path) -> Layer:

@@ -9,11 +9,13 @@ layers reference their parents by absolute path (memory layers, qcow2 backing ch
 one is deleted only when no root reaches it; roots are what the store of record still uses
 (templates, paused sandboxes, what running sandboxes were restored from). Directories being
 written are ``.<id>.partial-*``; a crash leaves them behind and collection removes them —
-the caller serialises collection with snapshot writes.
+the caller serialises collection with snapshot writes. Collection fails closed: when what a
+kept snapshot or layer depends on cannot be read, nothing is deleted in that pass.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -23,7 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import disk_layers, snapshots
+from . import disk_layers, durable, snapshots
 from .disks import Disk
 from .errors import StorageError
 
@@ -35,6 +37,11 @@ DISK_MANIFEST = "disk.json"
 
 class SnapshotMissing(StorageError):
     """A reference names no complete snapshot."""
+
+
+class DependenciesUnknown(StorageError):
+    """What a snapshot or layer reads from cannot be determined (its manifest or qcow2
+    header is unreadable): collection must not delete anything it might depend on."""
 
 
 @dataclass(frozen=True)
@@ -73,14 +80,24 @@ def disk_snapshot(path: Path) -> DiskSnapshot | None:
 
 
 def save_disk(disk: Disk, path: Path) -> DiskSnapshot:
-    """Move a stopped VM's disk into a new disk-only snapshot at ``path`` (atomic)."""
+    """Keep the disk of a VM whose vCPUs are stopped (its image flushed) as a new disk-only
+    snapshot at ``path``, durable on return. The file is linked in, not moved: the VM's own
+    name stays until the caller removes it after the VM ended, so a failure at any step
+    (ENOSPC writing the manifest, say) removes only the partial snapshot and leaves the
+    VM and its disk as they were."""
     staging = snapshots.begin(path)
+    name = f"rootfs.{disk.format}"
     try:
-        name = f"rootfs.{disk.format}"
-        os.replace(disk.path, staging / name)
-        os.chmod(staging / name, 0o444)
-        (staging / DISK_MANIFEST).write_text(json.dumps({"drive": name, "format": disk.format}))
-        os.rename(staging, path)
+        try:
+            os.link(disk.path, staging / name)
+        except OSError as e:
+            if e.errno != errno.EXDEV:
+                raise
+            snapshots.copy_sparse(disk.path, staging / name)  # snapshots on another fs
+        durable.write_atomic(staging / DISK_MANIFEST,
+                             json.dumps({"drive": name, "format": disk.format}).encode())
+        durable.fsync_tree(staging)
+        durable.rename_durably(staging, path)
     except BaseException:
         snapshots.abort(staging)
         raise
@@ -88,14 +105,18 @@ def save_disk(disk: Disk, path: Path) -> DiskSnapshot:
 
 
 def _backing_chain(image: Path) -> list[Path]:
-    """Files an image reads through (qcow2 backing files), nearest first."""
-    if image.suffix != ".qcow2":
+    """Files an image reads through (qcow2 backing files), nearest first. A missing image
+    reads nothing; one that exists but cannot be read raises ``DependenciesUnknown``."""
+    if image.suffix != ".qcow2" or not image.exists():
         return []
     out = subprocess.run(["qemu-img", "info", "--backing-chain", "--output=json", "-U",
                           str(image)], capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        return []
-    return [Path(i["filename"]) for i in json.loads(out.stdout)[1:]]
+    try:
+        if out.returncode != 0:
+            raise ValueError(out.stderr.strip() or f"qemu-img exited {out.returncode}")
+        return [Path(i["filename"]) for i in json.loads(out.stdout)[1:]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise DependenciesUnknown(f"cannot read the backing chain of {image}: {e}") from e
 
 
 def dependencies(path: Path, snapshots_root: Path, layers_root: Path) -> set[Path]:
@@ -103,12 +124,15 @@ def dependencies(path: Path, snapshots_root: Path, layers_root: Path) -> set[Pat
     ``path`` reads from."""
     files: set[Path] = set()
     if path.is_dir():
-        disk = disk_snapshot(path)
+        try:
+            disk = disk_snapshot(path)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise DependenciesUnknown(f"{path}: unreadable {DISK_MANIFEST}: {e}") from e
         if disk is None:
             try:
                 m = snapshots.read_manifest(path)
-            except StorageError:
-                return set()
+            except StorageError as e:
+                raise DependenciesUnknown(f"{path}: {e}") from e
             files = {la.directory / snapshots.MEMORY for la in m.layers}
             for d in m.drives:
                 files.update(d.chain)
@@ -130,7 +154,9 @@ def dependencies(path: Path, snapshots_root: Path, layers_root: Path) -> set[Pat
 
 
 def collect(snapshots_root: Path, layers_root: Path, roots: Iterable[str]) -> list[Path]:
-    """Delete every snapshot and layer no root reaches; returns what was deleted."""
+    """Delete every snapshot and layer no root reaches; returns what was deleted. Raises
+    ``DependenciesUnknown`` (having deleted nothing) when a reachable snapshot's or layer's
+    own dependencies cannot be read."""
     keep: set[Path] = set()
     todo: list[Path] = []
     for r in roots:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 
 from aenv.client.envd import ENVD_PORT, EnvdClient
 from aenv.orchestrator.errors import Unsupported
@@ -64,10 +65,13 @@ class ProcessMachines:
         if proc is not None:
             stop_process(proc, grace=2)
 
-    async def commit(self, rec: SandboxRecord, template_id: str) -> str:
+    async def commit(self, rec: SandboxRecord, ref: str) -> None:
         """A build ends here: there is no disk to keep, so no layer either."""
         await self.stop(rec)
-        return ""
+
+    def is_running(self, rec: SandboxRecord) -> bool:
+        proc = self.procs.get(rec.id)
+        return proc is not None and proc.poll() is None
 
     async def reattach(self, rec: SandboxRecord) -> bool:
         proc = self.procs.get(rec.id)
@@ -82,7 +86,7 @@ class ProcessMachines:
     def has_snapshot(self, ref: str) -> bool:
         return False
 
-    async def collect(self, roots: set[str]) -> int:
+    async def collect(self, roots: Callable[[], set[str]]) -> int:
         return 0
 
     def logs(self, rec: SandboxRecord, start: int | None, limit: int) -> list[dict]:

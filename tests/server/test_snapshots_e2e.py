@@ -53,10 +53,15 @@ def test_filesystem_pause_keeps_files_but_boots_again(sdk) -> None:
     sbx = Sandbox.create("base")
     try:
         sbx.files.write("/home/user/kept.txt", "on disk")
+        # A running snapshot moves the VM onto a new disk overlay: the pause must keep
+        # that one, with what was written after the snapshot.
+        sbx.create_snapshot()
+        sbx.files.write("/home/user/after-snapshot.txt", "newer")
         boot_id = sbx.commands.run("cat /proc/sys/kernel/random/boot_id").stdout
         sbx.pause(mode="filesystem")
         sbx = Sandbox.connect(sbx.sandbox_id)
         assert sbx.files.read("/home/user/kept.txt") == "on disk"
+        assert sbx.files.read("/home/user/after-snapshot.txt") == "newer"
         assert sbx.commands.run("cat /proc/sys/kernel/random/boot_id").stdout != boot_id
     finally:
         sbx.kill()

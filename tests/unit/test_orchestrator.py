@@ -81,11 +81,14 @@ class FakeMachines:
         self.saved.add(ref)
 
     async def collect(self, roots) -> int:
-        self.gc_roots.append(set(roots))
+        self.gc_roots.append(set(roots()))
         return 0
 
-    async def commit(self, rec, template_id) -> str:
-        return "layer:x"
+    async def commit(self, rec, ref) -> None:
+        pass
+
+    def is_running(self, rec) -> bool:
+        return rec.id in self.alive
 
     def logs(self, rec, start, limit) -> list[dict]:
         return []
@@ -348,3 +351,21 @@ async def test_connect_during_a_pause_waits_for_it_then_resumes(world) -> None:
     got, resumed = await orch.connect(rec.id, None)
     await pausing
     assert resumed and got.state == "running" and m.paused == [rec.id]
+
+
+async def test_an_image_being_restored_stays_a_root_when_its_template_is_deleted(world) -> None:
+    orch, m = world
+    src = await orch.create(CreateOptions(template="base"))
+    snap = await orch.snapshot(src.id, "short-lived")
+    await orch.kill(src.id)
+    original = m.start
+
+    async def start(rec, template):
+        # Deleted and collected while the create restores from its image.
+        orch.delete_template(snap.id)
+        await orch.collect_garbage()
+        return await original(rec, template)
+
+    m.start = start
+    await orch.create(CreateOptions(template="short-lived"))
+    assert snap.image in m.gc_roots[-1], "collected while a create was restoring from it"
