@@ -1,15 +1,48 @@
-"""``aenv server``: run the API, the sandbox proxy and the orchestrator in one process."""
+"""``aenv server``: run the API, the sandbox proxy and the orchestrator in one process.
+
+Before anything touches the home, in this order: lock the home and the network-name prefix
+(``aenv.instance_lock``), bind and listen on the port, check the API key. A second server
+on the same home, prefix or port therefore exits at once with an error saying which, and
+leaves the first one's VMs, network slots and files alone; crash recovery only ever runs in
+the one server that holds the locks. uvicorn is then handed the socket already bound.
+"""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import socket
 
 import typer
 
 
 def register(app: typer.Typer) -> None:
     app.command()(server)
+
+
+class ListenError(Exception):
+    pass
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (close-on-exec: VMMs must not inherit it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        # Lets a restarted server bind while the old one's connections sit in TIME_WAIT;
+        # still fails while anything listens there.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        where = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+        if e.errno == errno.EADDRINUSE:
+            raise ListenError(f"cannot listen on {where}: the port is in use (another aenv "
+                              "server?); pick another with --port / AENV_LISTEN_PORT") from None
+        raise ListenError(f"cannot listen on {where}: {e.strerror or e}") from None
+    return sock
 
 
 def server(
@@ -29,10 +62,9 @@ def server(
     """Serve the E2B-compatible API and sandbox traffic on one listener."""
     import uvicorn
 
+    from ..api.auth import ApiKeyError, load_api_key
     from ..config import Settings
-    from ..orchestrator.node import NodeMachines
-    from ..orchestrator.service import Limits
-    from ..server import Server, ServerOptions
+    from ..instance_lock import InstanceTaken, claim_instance
 
     if os.geteuid() != 0:
         typer.echo("aenv server needs root (network namespaces, taps, VMs)", err=True)
@@ -43,6 +75,18 @@ def server(
     for noisy in ("httpx", "qemu.qmp"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     settings = Settings.from_env()
+    try:
+        lock = claim_instance(settings)  # held until the process exits
+        sock = _listen(host, port)
+        load_api_key(settings.secrets_dir)  # refuse a bad key before building anything
+    except (InstanceTaken, ListenError, ApiKeyError) as e:
+        typer.echo(f"aenv server: {e}", err=True)
+        raise typer.Exit(1) from None
+
+    from ..orchestrator.node import NodeMachines
+    from ..orchestrator.service import Limits
+    from ..server import Server, ServerOptions
+
     srv = Server(settings, NodeMachines(settings), ServerOptions(
         domain=domain, limits=Limits(max_sandboxes=max_sandboxes, max_starting=max_starting,
                       max_fork=max_fork),
@@ -50,5 +94,17 @@ def server(
     logging.getLogger("aenv.server").info(
         "data in %s; API key %s; listening on http://%s:%d", settings.home,
         srv.api_key_file or "from AENV_API_KEY", host, port)
-    uvicorn.run(srv.app, host=host, port=port, log_level=log_level, access_log=False,
-                timeout_keep_alive=300, lifespan="on")
+    config = uvicorn.Config(srv.app, host=host, port=port, log_level=log_level,
+                            access_log=False, timeout_keep_alive=300, lifespan="on")
+    uv = uvicorn.Server(config)
+    try:
+        # After a signal uvicorn re-raises it once shut down: SIGTERM then ends the
+        # process with the usual status, SIGINT arrives here as KeyboardInterrupt.
+        uv.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sock.close()
+        lock.release()
+    if not uv.started:
+        raise typer.Exit(3)  # what uvicorn.run exits with when the startup failed
