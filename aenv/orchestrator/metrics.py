@@ -3,29 +3,96 @@
 Every ``interval`` seconds the collector asks each running sandbox's envd for
 ``/metrics`` and keeps the last ``keep`` samples in memory (a restart starts the history
 afresh; the SDK only asks for recent windows).
+
+A guest's root can answer anything, so nothing it sends is trusted. Each call is bounded
+by ``SAMPLE_TIMEOUT_S`` and by ``EnvdClient``'s ``METRICS_MAX_BYTES``; the answer must be
+a JSON object whose fields have their type, are finite and lie in range (``_parse``:
+counts and byte sizes are non-negative integers up to ``MAX_VALUE``, CPU use a percentage,
+the timestamp between 2000 and 2100, used never above total), else the whole sample is
+dropped. Sandboxes are sampled independently: a bad one loses its own sample and is
+logged (a warning when it starts failing, debug while it goes on), the others are
+collected as usual, and the loop outlives every error but its own cancellation.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from collections import deque
 from datetime import UTC, datetime
 from typing import Any
 
 import httpx
 
-from ..client.envd import ENVD_PORT, EnvdClient
+from ..client.envd import ENVD_PORT, EnvdClient, EnvdError
 from ..client.http import plain_client
 from ..store import SandboxStore
 
 log = logging.getLogger("aenv.metrics")
+
+# One guest's whole /metrics call (connect, answer, body); below the default 5 s interval
+# so a round ends before the next begins, and ample for envd, which answers in ms.
+SAMPLE_TIMEOUT_S = 3.0
+# Counts and byte sizes: 2**53 bytes is 8 PiB, beyond any guest, and the largest integer a
+# JavaScript SDK reads exactly.
+MAX_VALUE = 2 ** 53
+# Seconds since the epoch: 2000-01-01 to 2100-01-01. A guest clock outside is wrong, and
+# far enough outside it would not convert to a date at all.
+TS_RANGE = (946_684_800, 4_102_444_800)
+
+
+class BadSample(ValueError):
+    """A guest's /metrics answer that is not a sample."""
+
+
+def _shown(value: Any) -> str:
+    return repr(value)[:40]
+
+
+def _integer(m: dict[str, Any], key: str, default: int, high: int = MAX_VALUE) -> int:
+    value = m.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= high:
+        raise BadSample(f"{key} is {_shown(value)}, not an integer in [0, {high}]")
+    return value
+
+
+def _parse(m: Any) -> dict[str, Any]:
+    """The API's sample from envd's answer; ``BadSample`` unless every field is sane. A
+    missing field counts as 0, except the timestamp, which is then the host's clock."""
+    if not isinstance(m, dict):
+        raise BadSample(f"the answer is {type(m).__name__}, not a JSON object")
+    ts = m.get("ts", int(time.time()))
+    if isinstance(ts, bool) or not isinstance(ts, int) or not TS_RANGE[0] <= ts < TS_RANGE[1]:
+        raise BadSample(f"ts is {_shown(ts)}, not a time between 2000 and 2100")
+    cpu = m.get("cpu_used_pct", 0.0)
+    if (isinstance(cpu, bool) or not isinstance(cpu, int | float) or not math.isfinite(cpu)
+            or not 0 <= cpu <= 100):
+        raise BadSample(f"cpu_used_pct is {_shown(cpu)}, not a percentage")
+    sample = {
+        "timestamp": datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z"),
+        "timestampUnix": ts,
+        "cpuCount": _integer(m, "cpu_count", 0, high=4096),
+        "cpuUsedPct": float(cpu),
+        "memUsed": _integer(m, "mem_used", 0),
+        "memTotal": _integer(m, "mem_total", 0),
+        "memCache": _integer(m, "mem_cache", 0),
+        "diskUsed": _integer(m, "disk_used", 0),
+        "diskTotal": _integer(m, "disk_total", 0),
+    }
+    for part, total in (("memUsed", "memTotal"), ("memCache", "memTotal"),
+                        ("diskUsed", "diskTotal")):
+        if sample[part] > sample[total]:
+            raise BadSample(f"{part} {sample[part]} is above {total} {sample[total]}")
+    return sample
 
 
 class MetricsCollector:
     def __init__(self, sandboxes: SandboxStore, interval: float = 5.0, keep: int = 720) -> None:
         self.sandboxes, self.interval, self.keep = sandboxes, interval, keep
         self._samples: dict[str, deque[dict[str, Any]]] = {}
+        self._failing: set[str] = set()  # sandboxes whose last sample failed (and logged)
         self._task: asyncio.Task | None = None
         self._http = plain_client(timeout=httpx.Timeout(3.0, connect=1.0))
 
@@ -42,39 +109,51 @@ class MetricsCollector:
         await self._http.aclose()
 
     async def _loop(self) -> None:
+        broken = False
         while True:
             await asyncio.sleep(self.interval)
-            await self.collect_once()
+            try:
+                await self.collect_once()
+                broken = False
+            except Exception:
+                if not broken:
+                    log.exception("metrics: a collection round failed; trying again every "
+                                  "%gs", self.interval)
+                broken = True
 
     async def collect_once(self) -> None:
+        """Sample every running sandbox once, concurrently; each sample is bounded by
+        ``SAMPLE_TIMEOUT_S`` and none can fail the round."""
         running = self.sandboxes.in_states(("running",))
         live = {r.id for r in running}
         for gone in set(self._samples) - live:
             if self.sandboxes.get(gone) is None:
                 del self._samples[gone]
+        self._failing &= live
         await asyncio.gather(*(self._sample(r.id, r.host_ip, r.envd_token)
                                for r in running if r.host_ip))
 
     async def _sample(self, sandbox_id: str, host_ip: str, token: str | None) -> None:
         client = EnvdClient(f"http://{host_ip}:{ENVD_PORT}", token, client=self._http)
         try:
-            m = await client.metrics()
-        except (httpx.HTTPError, ValueError) as e:
+            sample = _parse(await client.metrics(timeout=SAMPLE_TIMEOUT_S))
+        except httpx.HTTPError as e:  # no connection: envd not up (yet), or going away
             log.debug("sandbox %s: metrics unavailable: %s", sandbox_id, e)
             return
-        ts = int(m.get("ts", 0))
-        sample = {
-            "timestamp": datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z"),
-            "timestampUnix": ts,
-            "cpuCount": int(m.get("cpu_count", 0)),
-            "cpuUsedPct": float(m.get("cpu_used_pct", 0.0)),
-            "memUsed": int(m.get("mem_used", 0)),
-            "memTotal": int(m.get("mem_total", 0)),
-            "memCache": int(m.get("mem_cache", 0)),
-            "diskUsed": int(m.get("disk_used", 0)),
-            "diskTotal": int(m.get("disk_total", 0)),
-        }
+        except (EnvdError, BadSample) as e:
+            self._failed(sandbox_id, f"metrics skipped: {e}")
+            return
+        except Exception:
+            self._failed(sandbox_id, "metrics skipped: unexpected error", exc_info=True)
+            return
+        self._failing.discard(sandbox_id)
         self._samples.setdefault(sandbox_id, deque(maxlen=self.keep)).append(sample)
+
+    def _failed(self, sandbox_id: str, message: str, exc_info: bool = False) -> None:
+        level = logging.DEBUG if sandbox_id in self._failing else logging.WARNING
+        self._failing.add(sandbox_id)
+        log.log(level, "sandbox %s: %s", sandbox_id, message, exc_info=exc_info,
+                extra={"sandbox_id": sandbox_id, "op": "metrics"})
 
     def samples(self, sandbox_id: str, start: int | None, end: int | None) -> list[dict[str, Any]]:
         return [s for s in self._samples.get(sandbox_id, ())

@@ -1,0 +1,190 @@
+"""``MetricsCollector``: one guest's bad ``/metrics`` answer costs that guest its sample,
+never the others' and never the collector's loop.
+
+Each fake envd is an asyncio HTTP listener on its own loopback address (127.83.0.N, one port
+for all, as every VM's envd listens on the same port at its own address) answering
+``/metrics`` with a fixed body or a trickle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from aenv.orchestrator import metrics as metrics_module
+from aenv.orchestrator.metrics import MetricsCollector
+from aenv.store import Database, SandboxRecord, SandboxStore
+
+_GUARD_S = 4.0
+Answer = Callable[[asyncio.StreamWriter], Awaitable[None]]
+
+GOOD = {"ts": 1_700_000_000, "cpu_count": 2, "cpu_used_pct": 12.5, "mem_total": 1 << 30,
+        "mem_used": 1 << 28, "mem_cache": 1 << 20, "disk_used": 1 << 30, "disk_total": 1 << 32}
+
+
+def _json(body: bytes) -> Answer:
+    async def answer(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+    return answer
+
+
+async def _trickle(writer: asyncio.StreamWriter) -> None:
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                 b"Transfer-Encoding: chunked\r\n\r\n")
+    while True:
+        writer.write(b"1\r\n \r\n")
+        await writer.drain()
+        await asyncio.sleep(0.2)
+
+
+async def _endless(writer: asyncio.StreamWriter) -> None:
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 4294967296\r\n\r\n")
+    while True:
+        writer.write(b" " * 65536)
+        await writer.drain()
+
+
+BAD_ANSWERS: dict[str, Answer] = {
+    "a list": _json(b"[]"),
+    "a string": _json(b'"metrics"'),
+    "not json": _json(b"<html>"),
+    "a huge number": _json(json.dumps({**GOOD, "mem_used": 10 ** 400}).encode()),
+    "an infinite number": _json(json.dumps({**GOOD, "disk_used": 1e400}).encode()),
+    "NaN": _json(json.dumps({**GOOD, "cpu_used_pct": float("nan")}).encode()),
+    "a negative value": _json(json.dumps({**GOOD, "mem_total": -1}).encode()),
+    "a timestamp past year 9999": _json(json.dumps({**GOOD, "ts": 10 ** 12}).encode()),
+    "a string field": _json(json.dumps({**GOOD, "cpu_count": "2"}).encode()),
+    "cpu over 100 %": _json(json.dumps({**GOOD, "cpu_used_pct": 1e9}).encode()),
+    "used above total": _json(json.dumps({**GOOD, "mem_used": 1 << 40}).encode()),
+    "a trickle": _trickle,
+    "an endless body": _endless,
+}
+
+
+class FakeEnvds:
+    """One listener per address, all on the same port."""
+
+    def __init__(self) -> None:
+        self.port = 0
+        self.servers: list[asyncio.Server] = []
+        self.tasks: set[asyncio.Task] = set()
+
+    async def add(self, answer: Answer) -> str:
+        host = f"127.83.0.{len(self.servers) + 1}"
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            self.tasks.add(asyncio.current_task())  # type: ignore[arg-type]
+            try:
+                await reader.readuntil(b"\r\n\r\n")
+                await answer(writer)
+            except (ConnectionError, asyncio.CancelledError, asyncio.IncompleteReadError):
+                pass
+            finally:
+                writer.close()
+
+        server = await asyncio.start_server(serve, host, self.port)
+        self.port = server.sockets[0].getsockname()[1]
+        self.servers.append(server)
+        return host
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        for server in self.servers:
+            server.close()
+            await server.wait_closed()
+
+
+def _running(store: SandboxStore, sandbox_id: str, host_ip: str) -> None:
+    now = time.time()
+    store.insert(SandboxRecord(id=sandbox_id, template_id="base", state="running",
+                               client_id="c", started_at=now, end_at=now + 3600, cpu_count=2,
+                               memory_mb=1024, disk_size_mb=4096, host_ip=host_ip,
+                               envd_token="tok"))
+
+
+@pytest.fixture
+async def world(monkeypatch: pytest.MonkeyPatch):
+    fakes = FakeEnvds()
+    store = SandboxStore(Database(":memory:"))
+    monkeypatch.setattr(metrics_module, "SAMPLE_TIMEOUT_S", 0.5, raising=False)
+    yield fakes, store
+    await fakes.close()
+
+
+async def _collector(fakes: FakeEnvds, store: SandboxStore, monkeypatch: pytest.MonkeyPatch,
+                     **kwargs: float) -> MetricsCollector:
+    monkeypatch.setattr(metrics_module, "ENVD_PORT", fakes.port)
+    return MetricsCollector(store, **kwargs)
+
+
+@pytest.mark.parametrize("bad", list(BAD_ANSWERS))
+async def test_one_bad_guest_costs_only_its_own_sample(
+        world, bad: str, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    fakes, store = world
+    _running(store, "good1", await fakes.add(_json(json.dumps(GOOD).encode())))
+    _running(store, "bad", await fakes.add(BAD_ANSWERS[bad]))
+    _running(store, "good2", await fakes.add(_json(json.dumps(GOOD).encode())))
+    collector = await _collector(fakes, store, monkeypatch)
+    t0 = time.monotonic()
+    try:
+        with caplog.at_level(logging.DEBUG, "aenv.metrics"):
+            await asyncio.wait_for(collector.collect_once(), _GUARD_S)
+    finally:
+        await collector.close()
+    assert time.monotonic() - t0 < 0.5 + 0.5
+    for good in ("good1", "good2"):
+        [sample] = collector.samples(good, None, None)
+        assert sample["memUsed"] == 1 << 28 and sample["cpuUsedPct"] == 12.5
+        assert sample["timestamp"] == "2023-11-14T22:13:20Z"
+    assert collector.samples("bad", None, None) == []
+    assert any("bad" in r.getMessage() for r in caplog.records)
+
+
+async def test_the_loop_keeps_collecting_past_a_bad_guest(
+        world, monkeypatch: pytest.MonkeyPatch) -> None:
+    fakes, store = world
+    _running(store, "good", await fakes.add(_json(json.dumps(GOOD).encode())))
+    _running(store, "list", await fakes.add(BAD_ANSWERS["a list"]))
+    _running(store, "huge", await fakes.add(BAD_ANSWERS["a huge number"]))
+    collector = await _collector(fakes, store, monkeypatch, interval=0.05)
+    await collector.start()
+    try:
+        await asyncio.sleep(0.6)
+        assert collector._task is not None and not collector._task.done()
+        assert len(collector.samples("good", None, None)) >= 3
+    finally:
+        await collector.close()
+
+
+async def test_the_loop_survives_a_failing_store(world, monkeypatch: pytest.MonkeyPatch) -> None:
+    fakes, store = world
+    _running(store, "good", await fakes.add(_json(json.dumps(GOOD).encode())))
+    collector = await _collector(fakes, store, monkeypatch, interval=0.05)
+    real = store.in_states
+    calls = 0
+
+    def flaky(states):
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("database is locked")
+        return real(states)
+
+    monkeypatch.setattr(store, "in_states", flaky)
+    await collector.start()
+    try:
+        await asyncio.sleep(0.4)
+        assert collector._task is not None and not collector._task.done()
+        assert collector.samples("good", None, None)
+    finally:
+        await collector.close()
