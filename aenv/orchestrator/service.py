@@ -155,7 +155,7 @@ class Orchestrator:
                 f"{self._starting} sandboxes are starting on this node; try again shortly")
 
     def _new_record(self, tpl: TemplateRecord, opts: CreateOptions) -> SandboxRecord:
-        now = self.clock()
+        now = whole_microseconds(self.clock())
         return SandboxRecord(
             id=new_id(),
             template_id=tpl.id,
@@ -573,6 +573,13 @@ class Orchestrator:
         if rec is not None:
             self.sandboxes.transition(sandbox_id, [rec.state], state, reason=reason,
                                       ended_at=self.clock(), vm_pid=None)
+
+
+def whole_microseconds(t: float) -> float:
+    """``t`` at the precision the API shows (RFC 3339 with microseconds): a start time
+    read back from the API and sent as ``startedAfter`` then compares equal to the stored
+    one, instead of rounding past it."""
+    return round(t * 1_000_000) / 1_000_000
 
 
 def _spread(per_child: list[dict[str, float]]) -> dict[str, float]:

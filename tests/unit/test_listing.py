@@ -73,3 +73,25 @@ def test_metadata_keys_with_quotes_and_dots_match_exactly() -> None:
     recs = _store([_rec(1, **{'a.b"c': "v"}), _rec(2, a="v")])
     page, _ = select(recs, metadata={'a.b"c': "v"}, states={"running"})
     assert [r.id for r in page] == ["s01"]
+
+
+async def test_started_after_its_own_start_time_includes_the_sandbox() -> None:
+    """The SDK reads startedAt (microseconds) and sends it back as startedAfter."""
+    from aenv.api.listing import parse_time
+    from aenv.api.views import rfc3339
+    from aenv.orchestrator.service import CreateOptions, Orchestrator
+    from aenv.store import TemplateRecord, TemplateStore
+    from tests.unit.test_orchestrator import FakeMachines
+
+    db = Database(":memory:")
+    sandboxes, templates = SandboxStore(db), TemplateStore(db)
+    templates.insert(TemplateRecord(id="base", kind="template", build_id="b", status="ready",
+                                    cpu_count=1, memory_mb=256, disk_size_mb=1024,
+                                    created_at=1.0, updated_at=1.0, names=["base"]))
+    # Sub-microsecond parts that the API rounds up (.1234567 is shown as .123457).
+    for t in (1764876739.1234567, 1764876739.9999996, 1764876740.0000004):
+        orch = Orchestrator(sandboxes, templates, FakeMachines(), clock=lambda t=t: t)
+        rec = await orch.create(CreateOptions(template="base"))
+        after = parse_time(rfc3339(rec.started_at))
+        page, _ = select(sandboxes, metadata={}, states={"running"}, started_after=after)
+        assert rec.id in [r.id for r in page], (t, rfc3339(rec.started_at))
