@@ -10,7 +10,7 @@ from fastapi import APIRouter, Body, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from ..orchestrator.service import DEFAULT_TIMEOUT_S, CreateOptions, Orchestrator
-from . import listing, views
+from . import listing, network, views
 from .errors import ApiError
 from .models import (
     ConnectRequest,
@@ -22,6 +22,7 @@ from .models import (
 )
 
 router = APIRouter()
+router.include_router(network.router)
 
 _IDEMPOTENCY_KEY = re.compile(r"^[a-z0-9-]{1,255}$")
 
@@ -47,7 +48,7 @@ async def _create(request: Request, body: NewSandbox, idem: str | None, v1: bool
         auto_pause_memory=body.autoPauseMemory is not False,
         auto_resume=bool(body.autoResume and body.autoResume.enabled),
         allow_internet=body.allow_internet_access,
-        network=body.network.model_dump(exclude_none=True) if body.network else None,
+        network=network.create_options(body.network),
         cpu_count=body.cpuCount,
         memory_mb=body.memoryMB,
         idempotency_key=idem,

@@ -75,6 +75,10 @@ class Machines(Protocol):
         """Whether this node holds a live VM for ``rec`` (after a failed pause: the drivers
         thaw the VM again unless it died)."""
 
+    async def update_network(self, rec: SandboxRecord) -> None:
+        """Apply ``rec``'s egress policy (``network``, ``allow_internet``) to its running VM
+        at once; raises ``InvalidRequest`` for a policy that does not parse."""
+
     async def collect(self, roots: Callable[[], set[str]]) -> int:
         """Delete every snapshot and layer that neither is in ``roots()`` nor is depended on
         by one that is; returns how many were deleted. ``roots`` is called while snapshot

@@ -387,6 +387,12 @@ class NodeMachines:
                 raise
         await running.vm.stop()
 
+    async def update_network(self, rec: SandboxRecord) -> None:
+        running = self._running.get(rec.id)
+        if running is None:
+            raise InvalidRequest(f"sandbox {rec.id} has no VM on this node")
+        await asyncio.to_thread(running.slot.set_policy, egress_policy(rec))
+
     def is_running(self, rec: SandboxRecord) -> bool:
         running = self._running.get(rec.id)
         return running is not None and running.vm.is_alive()

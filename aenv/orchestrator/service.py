@@ -37,6 +37,8 @@ from .timing import record_phases
 log = logging.getLogger("aenv.orchestrator")
 
 DEFAULT_TIMEOUT_S = 300
+# Options of a sandbox's network fixed at create; an update replaces everything else.
+_CREATE_ONLY_NETWORK = ("allowPublicTraffic", "maskRequestHost", "httpsPorts")
 MAX_TIMEOUT_S = 24 * 3600
 
 
@@ -408,6 +410,22 @@ class Orchestrator:
         """TTL = max(current, now + seconds)."""
         rec = self.get(sandbox_id)
         self.sandboxes.update(sandbox_id, end_at=max(rec.end_at, self.clock() + seconds))
+
+    async def update_network(self, sandbox_id: str, egress: dict[str, Any],
+                             allow_internet: bool | None) -> None:
+        """Replace the running sandbox's egress configuration as a whole (what ``egress``
+        leaves out is cleared), at once on its VM and in its record, so a later resume or
+        fork keeps it. What cannot be updated (``allowPublicTraffic``) is kept."""
+        async with self._lock(sandbox_id):
+            rec = self.get(sandbox_id)
+            if rec.state != "running":
+                raise Conflict(f"sandbox '{sandbox_id}' is {rec.state}; its network can be "
+                               "changed while it runs")
+            kept = {k: v for k, v in (rec.network or {}).items() if k in _CREATE_ONLY_NETWORK}
+            network = {**kept, **egress} or None
+            updated = dataclasses.replace(rec, network=network, allow_internet=allow_internet)
+            await self.machines.update_network(updated)
+            self.sandboxes.update(sandbox_id, network=network, allow_internet=allow_internet)
 
     # -- connect / pause / resume ---------------------------------------------------------
 

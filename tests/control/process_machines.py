@@ -69,6 +69,9 @@ class ProcessMachines:
         """A build ends here: there is no disk to keep, so no layer either."""
         await self.stop(rec)
 
+    async def update_network(self, rec: SandboxRecord) -> None:
+        raise Unsupported("host-process sandboxes have no network of their own")
+
     def is_running(self, rec: SandboxRecord) -> bool:
         proc = self.procs.get(rec.id)
         return proc is not None and proc.poll() is None

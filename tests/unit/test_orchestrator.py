@@ -36,6 +36,7 @@ class FakeMachines:
         self.gc_roots: list[set[str]] = []
         self.restored: list[tuple[str, str | None]] = []
         self.saved: set[str] = set()
+        self.networks: list[tuple] = []
 
     def image_key(self) -> str | None:
         return "key-1"
@@ -89,6 +90,9 @@ class FakeMachines:
 
     def is_running(self, rec) -> bool:
         return rec.id in self.alive
+
+    async def update_network(self, rec) -> None:
+        self.networks.append((rec.id, rec.network, rec.allow_internet))
 
     def logs(self, rec, start, limit) -> list[dict]:
         return []
@@ -369,3 +373,17 @@ async def test_an_image_being_restored_stays_a_root_when_its_template_is_deleted
     m.start = start
     await orch.create(CreateOptions(template="short-lived"))
     assert snap.image in m.gc_roots[-1], "collected while a create was restoring from it"
+
+
+async def test_update_network_replaces_egress_but_keeps_create_only_options(world) -> None:
+    orch, m = world
+    rec = await orch.create(CreateOptions(template="base", network={
+        "allowPublicTraffic": False, "denyOut": ["1.1.1.1/32"]}, allow_internet=False))
+    await orch.update_network(rec.id, {"allowOut": ["8.8.8.8/32"]}, None)
+    cur = orch.get(rec.id)
+    assert cur.network == {"allowPublicTraffic": False, "allowOut": ["8.8.8.8/32"]}
+    assert cur.allow_internet is None
+    assert m.networks[-1] == (rec.id, cur.network, None)  # applied to the VM too
+    await orch.pause(rec.id)
+    with pytest.raises(Conflict):
+        await orch.update_network(rec.id, {}, None)

@@ -1,0 +1,98 @@
+"""Sandbox network options: what ``network`` at create and ``PUT /sandboxes/{id}/network``
+may carry, and which of E2B's options this server refuses (spec part 2, section 3).
+
+Every option is either honoured or refused with a 400 that names it — never accepted and
+ignored:
+
+- ``allowOut``/``denyOut`` (IPv4 addresses and CIDRs) and ``allow_internet_access`` are the
+  egress policy (``aenv.network.policy``); an update replaces them atomically on the running
+  sandbox, and they stay with it across pause/resume and fork.
+- ``allowPublicTraffic`` (create only) makes user ports ask for the traffic token.
+- ``dnsServers`` is validated (IPv4, at most 10). In E2B it only opens the firewall to those
+  servers when ``allowOut`` names a domain; domain entries are refused here, so it has
+  nothing to open.
+- ``rules`` (header transforms), ``egressProxy`` (SOCKS5 upstream), ``maskRequestHost`` and
+  ``httpsPorts`` are refused: they need an egress/ingress proxy this server does not run yet.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+
+from ..network.errors import PolicyError
+from ..network.policy import EgressPolicy
+from .errors import ApiError
+from .models import NetworkConfig, NetworkUpdate
+
+router = APIRouter()
+
+MAX_DNS_SERVERS = 10
+_UNSUPPORTED = {
+    "rules": "per-domain egress transforms",
+    "egressProxy": "tunnelling egress through a SOCKS5 proxy",
+    "maskRequestHost": "rewriting the Host header of user-port requests",
+    "httpsPorts": "TLS to sandbox ports",
+}
+
+
+def _refuse_unsupported(options: dict[str, Any]) -> None:
+    for key, what in _UNSUPPORTED.items():
+        value = options.get(key)
+        if value:  # an empty map or list asks for nothing
+            raise ApiError(400, f"network.{key} ({what}) is not supported by this server")
+
+
+def _check_dns(servers: list[str] | None) -> None:
+    if servers is None:
+        return
+    if len(servers) > MAX_DNS_SERVERS:
+        raise ApiError(400, f"network.dnsServers: at most {MAX_DNS_SERVERS} servers")
+    for s in servers:
+        try:
+            ipaddress.IPv4Address(s)
+        except ValueError:
+            raise ApiError(400, f"network.dnsServers: '{s}' is not an IPv4 address") from None
+
+
+def _check_policy(options: dict[str, Any]) -> None:
+    """The allow/deny lists parse, before anything is made (a bad entry is the client's
+    error, not a failed start)."""
+    for key in ("allowOut", "denyOut"):
+        for entry in options.get(key) or ():
+            try:
+                EgressPolicy.build(allow_out=[entry])
+            except PolicyError:
+                raise ApiError(400, f"network.{key}: '{entry}' is not an IPv4 address or "
+                               "CIDR (domain names are not supported by this server)") from None
+
+
+def _checked(options: dict[str, Any], dns: list[str] | None) -> dict[str, Any]:
+    _refuse_unsupported(options)
+    _check_dns(dns)
+    _check_policy(options)
+    return options
+
+
+def create_options(cfg: NetworkConfig | None) -> dict[str, Any] | None:
+    """The ``network`` object of a create, checked; what the sandbox record keeps."""
+    if cfg is None:
+        return None
+    return _checked(cfg.model_dump(exclude_none=True), cfg.dnsServers) or None
+
+
+def update_options(body: NetworkUpdate) -> tuple[dict[str, Any], bool | None]:
+    """(egress options, allow_internet) of an update; fields left out are cleared."""
+    options = body.model_dump(exclude_none=True)
+    allow_internet = options.pop("allow_internet_access", None)
+    return _checked(options, body.dnsServers), allow_internet
+
+
+@router.put("/sandboxes/{sandbox_id}/network", status_code=204)
+async def update_network(request: Request, sandbox_id: str, body: NetworkUpdate) -> Response:
+    """Replace a running sandbox's egress rules at once (E2B: 204; 409 when paused)."""
+    options, allow_internet = update_options(body)
+    await request.app.state.orchestrator.update_network(sandbox_id, options, allow_internet)
+    return Response(status_code=204)

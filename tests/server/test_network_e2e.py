@@ -1,0 +1,95 @@
+"""Egress rules of a running sandbox through the real SDK: ``update_network`` applies at
+once, clears what it leaves out, and stays with the sandbox across pause/resume and fork.
+
+The "internet" is a network namespace of the test's own (``FakeInternet``: a TEST-NET-2
+address with a listener), reached from the guest through the host as real egress is.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from e2b import Sandbox, SandboxException
+
+from tests.network.helpers import INET_PEER_IP, FakeInternet
+
+pytestmark = [pytest.mark.vm, pytest.mark.net]
+
+
+@pytest.fixture(scope="module")
+def internet():
+    inet = FakeInternet()
+    try:
+        yield inet
+    finally:
+        inet.close()
+
+
+def reaches(sbx: Sandbox, port: int) -> bool:
+    """Whether the guest can open a TCP connection to the fake internet's listener."""
+    script = (f"import socket; s = socket.create_connection(('{INET_PEER_IP}', {port}), 3); "
+              "print(s.recv(64).decode().split()[0])")
+    r = sbx.commands.run(f'python3 -c "{script}"', timeout=30)
+    return r.exit_code == 0 and r.stdout.strip() == "internet"
+
+
+def run_allowing_failure(sbx: Sandbox, port: int) -> bool:
+    try:
+        return reaches(sbx, port)
+    except Exception:  # CommandExitException: the connection was refused
+        return False
+
+
+def test_update_network_applies_clears_and_survives_pause_and_fork(sdk, internet) -> None:
+    port = internet.public.port
+    sbx = Sandbox.create("base", timeout=300)
+    children: list[Sandbox] = []
+    try:
+        assert run_allowing_failure(sbx, port)
+        sbx.update_network({"deny_out": [INET_PEER_IP]})
+        assert not run_allowing_failure(sbx, port), "denyOut did not apply to the running VM"
+
+        sbx.pause()
+        sbx = Sandbox.connect(sbx.sandbox_id)
+        assert not run_allowing_failure(sbx, port), "the rule was lost on resume"
+
+        children = [c for c in sbx.fork(count=1) if isinstance(c, Sandbox)]
+        assert len(children) == 1
+        assert not run_allowing_failure(children[0], port), "a fork child lost the rule"
+
+        sbx.update_network({})  # an update replaces everything: {} clears the deny list
+        assert run_allowing_failure(sbx, port)
+    finally:
+        for c in children:
+            c.kill()
+        sbx.kill()
+
+
+def test_update_network_of_a_paused_sandbox_is_409_and_of_a_missing_one_404(sdk) -> None:
+    sbx = Sandbox.create("base")
+    try:
+        sbx.pause()
+        with pytest.raises(SandboxException, match="409"):
+            Sandbox.update_network(sbx.sandbox_id, {"deny_out": ["8.8.8.8"]})
+    finally:
+        sbx.kill()
+    with httpx.Client(base_url=sdk.url, headers={"X-API-KEY": sdk.api_key}) as c:
+        r = c.put("/sandboxes/nosuchsandbox/network", json={"denyOut": ["8.8.8.8"]})
+        assert r.status_code == 404 and r.json()["code"] == 404
+
+
+@pytest.mark.parametrize("network, named", [
+    ({"rules": {"api.example.com": [{"transform": {"headers": {"X": "1"}}}]}}, "rules"),
+    ({"egressProxy": {"address": "proxy.example.com:1080"}}, "egressProxy"),
+    ({"maskRequestHost": "custom.example.com:${PORT}"}, "maskRequestHost"),
+    ({"httpsPorts": [3000]}, "httpsPorts"),
+    ({"dnsServers": ["not-an-ip"]}, "dnsServers"),
+    ({"allowOut": ["example.com"]}, "example.com"),
+])
+def test_unsupported_network_options_are_refused_by_name(sdk, network, named) -> None:
+    with httpx.Client(base_url=sdk.url, headers={"X-API-KEY": sdk.api_key}) as c:
+        before = len(c.get("/v2/sandboxes").json())
+        r = c.post("/v2/sandboxes", json={"templateID": "base", "network": network})
+        assert r.status_code == 400, r.text
+        assert named in r.json()["message"]
+        assert len(c.get("/v2/sandboxes").json()) == before  # nothing was made
