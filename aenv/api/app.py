@@ -2,12 +2,15 @@
 
 ``create_api`` takes what the routes need (the orchestrator and a few read-only
 collaborators) so the API can be served and tested without the rest of the server.
+Request bodies are limited to 1 MiB, except COPY archive uploads (``PUT
+/templates/{id}/files/{hash}/upload``), which stream to disk under ``upload_limit``.
 """
 
 from __future__ import annotations
 
+import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -21,20 +24,33 @@ from .auth import ApiKeyMiddleware
 from .errors import ApiError, error_response
 
 MAX_BODY_BYTES = 1024 * 1024
+UPLOAD_PATH = re.compile(r"^/templates/[^/]+/files/[^/]+/upload$")
 
 
 class BodyLimit:
-    """Refuse request bodies over ``limit`` bytes with 413 before a handler reads them."""
+    """Refuse request bodies over ``limit`` bytes with 413 before a handler reads them.
 
-    def __init__(self, app: ASGIApp, limit: int = MAX_BODY_BYTES) -> None:
-        self.app, self.limit = app, limit
+    ``overrides`` are ``(method, path pattern, limit)``: the first that matches a request
+    sets its limit instead.
+    """
+
+    def __init__(self, app: ASGIApp, limit: int = MAX_BODY_BYTES,
+                 overrides: Sequence[tuple[str, re.Pattern[str], int]] = ()) -> None:
+        self.app, self.limit, self.overrides = app, limit, tuple(overrides)
+
+    def _limit(self, scope: Scope) -> int:
+        for method, pattern, limit in self.overrides:
+            if scope["method"] == method and pattern.match(scope["path"]):
+                return limit
+        return self.limit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         scope["aenv.received"] = time.perf_counter()  # start of the "api" phase
+        cap = self._limit(scope)
         for k, v in scope["headers"]:
-            if k == b"content-length" and v.isdigit() and int(v) > self.limit:
+            if k == b"content-length" and v.isdigit() and int(v) > cap:
                 return await error_response(413, "request body too large")(scope, receive, send)
         seen = 0
 
@@ -43,7 +59,7 @@ class BodyLimit:
             msg = await receive()
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
-                if seen > self.limit:
+                if seen > cap:
                     # Raised inside FastAPI's body parsing: its ApiError handler answers.
                     raise ApiError(413, "request body too large")
             return msg
@@ -60,6 +76,8 @@ def create_api(
     logs: Callable[..., list[dict[str, Any]]],
     builder: Any = None,
     upload_secret: bytes = b"",
+    upload_limit: int = templates.UPLOAD_LIMIT_BYTES,
+    upload_link_ttl: float = templates.UPLOAD_LINK_TTL_S,
     lifespan: Callable[[Any], Any] | None = None,
     extra_routers: tuple = (),
 ) -> ASGIApp:
@@ -71,6 +89,8 @@ def create_api(
     app.state.logs = logs
     app.state.builder = builder
     app.state.upload_secret = upload_secret
+    app.state.upload_limit = upload_limit
+    app.state.upload_link_ttl = upload_link_ttl
     errors.install(app)
 
     @app.get("/health", status_code=204)
@@ -86,4 +106,5 @@ def create_api(
     app.include_router(snapshots.router)
     for router in extra_routers:
         app.include_router(router)
-    return ApiKeyMiddleware(BodyLimit(app), api_key)
+    limited = BodyLimit(app, overrides=[("PUT", UPLOAD_PATH, upload_limit)])
+    return ApiKeyMiddleware(limited, api_key)

@@ -1,12 +1,26 @@
 """Template routes: E2B's build API (v3 request, file upload, v2 build start, status with a
 log offset), listing, aliases and deletion. Persistent snapshots share ``DELETE
-/templates/{id}`` with templates."""
+/templates/{id}`` with templates.
+
+COPY uploads (spec part 2, 5.3): ``GET /templates/{id}/files/{hash}`` answers
+``present:true`` for an archive already stored, else an upload link like E2B's presigned
+one: no API key, a token (HMAC of template, hash and expiry under the server's upload
+secret) and an expiry, ``UPLOAD_LINK_TTL_S`` (E2B's 30 minutes) unless ``create_api`` got
+another. The ``PUT`` on it is checked for that token and expiry when it starts (403),
+then streams to disk under its own size limit (``create_api(upload_limit=)``, 413), never
+through the API's 1 MiB body limit. An archive stored for a hash is kept: a later upload
+for it is read, dropped and answered 200 (E2B overwrites through S3; aenv keeps the first
+complete upload, and 200 rather than 409 because JS SDKs upload steps in parallel and two
+COPY steps can share a hash). The body must be a tar (400 otherwise). Whether it matches
+its ``filesHash`` is not checked here: that needs the COPY step's ``src`` and ``dest``,
+known once a build names them (``build_files.verify_files_hash``).
+"""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import os
+import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response
@@ -16,12 +30,16 @@ from pydantic import Field
 from ..orchestrator.builds import Builder
 from ..orchestrator.errors import TemplateNotFound
 from ..store import TemplateRecord, TemplateStore
+from . import build_files
 from .errors import ApiError
 from .models import _Body
 from .views import rfc3339
 
 router = APIRouter()
 LOGS_PAGE = 100
+UPLOAD_LINK_TTL_S = 30 * 60
+# A COPY context lands on the build VM's disk (4 GiB by default) beside what it unpacks to.
+UPLOAD_LIMIT_BYTES = 4 << 30
 
 
 class TemplateRequest(_Body):
@@ -56,9 +74,10 @@ def store(request: Request) -> TemplateStore:
     return request.app.state.orchestrator.templates
 
 
-def _upload_token(request: Request, template_id: str, files_hash: str) -> str:
+def _upload_token(request: Request, template_id: str, files_hash: str, expires: int) -> str:
     key = request.app.state.upload_secret
-    return hmac.new(key, f"{template_id}:{files_hash}".encode(), hashlib.sha256).hexdigest()
+    message = f"upload:{template_id}:{files_hash}:{expires}".encode()
+    return hmac.new(key, message, hashlib.sha256).hexdigest()
 
 
 def _template(t: TemplateRecord) -> dict[str, Any]:
@@ -93,24 +112,33 @@ async def file_upload_link(request: Request, template_id: str, files_hash: str) 
     path = builder(request).file_path(files_hash)
     if path.exists():
         return JSONResponse({"present": True}, status_code=201)
-    token = _upload_token(request, template_id, files_hash)
+    expires = int(time.time() + request.app.state.upload_link_ttl)
+    token = _upload_token(request, template_id, files_hash, expires)
     url = str(request.url_for("upload_files", template_id=template_id, files_hash=files_hash))
-    return JSONResponse({"present": False, "url": f"{url}?token={token}"}, status_code=201)
+    return JSONResponse({"present": False, "url": f"{url}?expires={expires}&token={token}"},
+                        status_code=201)
 
 
 @router.put("/templates/{template_id}/files/{files_hash}/upload", name="upload_files")
 async def upload_files(request: Request, template_id: str, files_hash: str,
-                       token: str = "") -> Response:
+                       token: str = "", expires: str = "") -> Response:
     """Where the SDK PUTs a COPY archive (it sends no API key: the URL carries a token)."""
-    if not hmac.compare_digest(token, _upload_token(request, template_id, files_hash)):
+    valid = expires.isdigit() and hmac.compare_digest(
+        token.encode(), _upload_token(request, template_id, files_hash, int(expires)).encode())
+    if not valid:
         raise ApiError(403, "invalid upload token")
+    if int(expires) < time.time():
+        raise ApiError(403, "upload link expired; ask for a new one")
+    if store(request).get(template_id) is None:
+        raise TemplateNotFound(template_id)
     path = builder(request).file_path(files_hash)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".part-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        async for chunk in request.stream():
-            f.write(chunk)
-    os.replace(tmp, path)
+    try:
+        await build_files.store_upload(request.stream(), path,
+                                       limit=request.app.state.upload_limit)
+    except build_files.UploadTooLarge:
+        raise ApiError(413, "upload too large") from None
+    except build_files.ArchiveError as e:
+        raise ApiError(400, f"invalid COPY archive: {e}") from None
     return Response(status_code=200)
 
 
