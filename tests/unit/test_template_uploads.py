@@ -274,3 +274,51 @@ def test_the_sdks_own_upload_lands_and_matches_its_files_hash(tmp_path, monkeypa
         src, dest = s["args"][:2]
         assert verify_files_hash(archive, src=src, dest=dest,
                                  files_hash=s["filesHash"]) is HashCheck.MATCH
+
+
+@pytest.mark.js
+def test_the_js_sdks_uploads_land_and_are_checked_as_far_as_they_can_be(tmp_path) -> None:
+    """``Template.build`` of the E2B JS SDK: its parallel uploads are stored; archives
+    without directories match their ``filesHash``; one with a directory is
+    ``UNVERIFIABLE`` (the JS SDK hashes directory sizes, which the archive lacks)."""
+    import shutil
+    import threading
+
+    from aenv.api.build_files import HashCheck, verify_files_hash
+    from tests.conftest import ROOT, run_json_script
+
+    if shutil.which("node") is None or not (ROOT / "tests/js/node_modules/e2b").is_dir():
+        pytest.skip("node or the e2b npm package is missing: run ./scripts/setup.sh")
+    ctx = tmp_path / "ctx"
+    (ctx / "app/sub").mkdir(parents=True)
+    (ctx / "app/sub/main.js").write_text("console.log(1)\n")
+    (ctx / "big.bin").write_bytes(os.urandom(3 * MiB))
+    (ctx / "small.bin").write_bytes(b"\0\1\2")
+    (ctx / "notes.txt").write_text("notes\n")
+    templates = TemplateStore(Database(tmp_path / "aenv.db"))
+    files_dir = tmp_path / "build-files"
+    app = create_api(SimpleNamespace(templates=templates), api_key=KEY, domain="localhost",
+                     metrics=None, logs=lambda *a, **k: [],
+                     builder=Builder(templates, None, files_dir), upload_secret=b"secret")
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    try:
+        out = run_json_script(["node", "template_upload.mjs"], {
+            "E2B_API_KEY": KEY, "E2B_API_URL": f"http://127.0.0.1:{port}",
+            "E2B_DOMAIN": "localhost", "AENV_JS_CONTEXT": str(ctx)}, cwd=ROOT / "tests/js")
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    assert out["failed"] is True and "not found" in out["error"]  # the build start, after
+    checks = {}
+    for src, dest, files_hash in out["copies"]:
+        archive = files_dir / f"{files_hash}.tar"
+        assert archive.exists(), src
+        checks[src] = verify_files_hash(archive, src=src, dest=dest, files_hash=files_hash)
+    assert checks == {"notes.txt": HashCheck.MATCH, "*.bin": HashCheck.MATCH,
+                      "app": HashCheck.UNVERIFIABLE}
