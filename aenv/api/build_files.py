@@ -24,6 +24,8 @@ so the hash can be recomputed from it (``verify_files_hash``) except:
 * the Python SDK on Windows joins relative paths with ``\\``: tried as a second rule.
 
 An archive without directories that matches neither rule is a ``MISMATCH``.
+``check_before_copy`` is that check as a build runs it: a mismatching archive is deleted
+and the step fails.
 """
 
 from __future__ import annotations
@@ -60,6 +62,11 @@ class HashCheck(enum.Enum):
     MATCH = "match"
     MISMATCH = "mismatch"
     UNVERIFIABLE = "unverifiable"
+
+
+class FilesHashMismatch(Exception):
+    """A COPY step's archive does not hold what its ``filesHash`` names; the message
+    says so in the build log's words."""
 
 
 def inspect_archive(path: Path) -> list[tarfile.TarInfo]:
@@ -155,6 +162,29 @@ def _hash_member(tar: tarfile.TarFile, m: tarfile.TarInfo, by_name: dict[str, ta
         with f:
             while chunk := f.read(_CHUNK):
                 update(chunk)
+
+
+async def check_before_copy(path: Path, *, src: str, dest: str, files_hash: str) -> HashCheck:
+    """What a build runs before a COPY step sends ``path`` to the VM. ``src`` and
+    ``dest`` are the step's ``args[0]`` and ``args[1]`` as the client sent them.
+
+    Runs ``verify_files_hash`` in a thread. On a MISMATCH, or an archive that cannot be
+    read, the archive is deleted (so that the next upload link says ``present:false``
+    and a correct upload can take its place) and FilesHashMismatch is raised. MATCH and
+    UNVERIFIABLE are returned; the caller should log the latter.
+    """
+    try:
+        verdict = await asyncio.to_thread(verify_files_hash, path, src=src, dest=dest,
+                                          files_hash=files_hash)
+        problem = "do not match" if verdict is HashCheck.MISMATCH else None
+    except ArchiveError as e:
+        verdict, problem = HashCheck.MISMATCH, f"cannot be read ({e}) and so do not match"
+    if problem is None:
+        return verdict
+    path.unlink(missing_ok=True)
+    raise FilesHashMismatch(
+        f"the files uploaded for COPY {src} {dest} {problem} their hash {files_hash}; "
+        "they were discarded, build again to upload them anew")
 
 
 class UploadTooLarge(Exception):

@@ -183,3 +183,33 @@ def test_something_that_is_not_a_tar_is_an_archive_error(tmp_path) -> None:
     (tmp_path / "x.tar").write_bytes(b"no tar here" * 100)
     with pytest.raises(ArchiveError):
         verify_files_hash(tmp_path / "x.tar", src="a", dest="b", files_hash="0" * 64)
+
+
+async def test_check_before_copy_discards_a_mismatching_archive(context, tmp_path) -> None:
+    from aenv.api.build_files import FilesHashMismatch, check_before_copy
+
+    archive, h = sdk_upload(context, tmp_path, "a.txt")
+    assert await check_before_copy(archive, src="a.txt", dest=DEST,
+                                   files_hash=h) is HashCheck.MATCH
+    with pytest.raises(FilesHashMismatch, match="do not match their hash"):
+        await check_before_copy(archive, src="a.txt", dest="/other", files_hash=h)
+    assert not archive.exists()
+
+
+async def test_check_before_copy_keeps_an_unverifiable_archive(context, tmp_path) -> None:
+    from aenv.api.build_files import check_before_copy
+
+    archive, _ = sdk_upload(context, tmp_path, "app")
+    assert await check_before_copy(archive, src="app", dest=DEST,
+                                   files_hash="0" * 64) is HashCheck.UNVERIFIABLE
+    assert archive.exists()
+
+
+async def test_check_before_copy_discards_an_unreadable_archive(tmp_path) -> None:
+    from aenv.api.build_files import FilesHashMismatch, check_before_copy
+
+    junk = tmp_path / "junk.tar"
+    junk.write_bytes(b"junk" * 1000)
+    with pytest.raises(FilesHashMismatch, match="cannot be read"):
+        await check_before_copy(junk, src="a", dest="b", files_hash="0" * 64)
+    assert not junk.exists()
