@@ -13,8 +13,10 @@ Paths: the proxy checks a path once and forwards exactly the bytes it checked
 (``upstream_path``). It never re-normalises them, so what envd routes is what was checked.
 Paths with a ``.`` or ``..`` segment (also percent-encoded) are refused with 404 on every
 port; on envd's port so are encoded dots, slashes and backslashes (no envd route has one),
-and envd's internal routes (``/init`` and E2B's orchestrator-only ones) in any spelling:
-``//init``, ``/init/``, ``/INIT``.
+bytes outside RFC 3986's path characters or a malformed ``%`` escape (httpx re-escapes
+some of those), and envd's internal routes (``/init`` and E2B's orchestrator-only ones) in
+any spelling: ``//init``, ``/init/``, ``/INIT``. On other ports httpx escapes such bytes
+(``{`` -> ``%7B``), which the guest decodes to the same path.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ _STRIP = {b"e2b-sandbox-id", b"e2b-sandbox-port", b"e2b-traffic-access-token", b
 _ENVD_INTERNAL = frozenset({"/init", "/freeze", "/unfreeze", "/collapse", "/fsfreeze",
                             "/fsthaw", "/upgrade"})
 _ENCODED_SEPARATOR = re.compile(rb"%(?:2e|2f|5c)", re.IGNORECASE)
+# RFC 3986 path characters and escapes: httpx sends these on unchanged.
+_PLAIN_PATH = re.compile(rb"^(?:[A-Za-z0-9._~!$&'()*+,;=:@/-]|%[0-9A-Fa-f]{2})*$")
 
 
 def parse_host(host: str | None) -> tuple[int, str] | None:
@@ -84,7 +88,7 @@ def upstream_path(scope: Scope, port: int) -> bytes | None:
     if "." in segments or ".." in segments:
         return None
     if port == ENVD_PORT:
-        if _ENCODED_SEPARATOR.search(raw):
+        if _ENCODED_SEPARATOR.search(raw) or not _PLAIN_PATH.match(raw):
             return None
         canonical = "/" + "/".join(s for s in segments if s)
         if canonical.lower() in _ENVD_INTERNAL:
@@ -199,8 +203,8 @@ class ProxyRouter:
 
     async def _http(self, scope: Scope, receive: Receive, send: Send, route: Route,
                     port: int, path: bytes) -> None:
-        # ``path`` has no dot segments, so httpx leaves it as it is (it only escapes bytes
-        # that HTTP/1.1 does not allow raw, which decode to the same path).
+        # ``path`` has no dot segments, so httpx does not normalise it; it only escapes
+        # some bytes outside RFC 3986's path characters (none on envd's port, see above).
         url = httpx.URL(scheme="http", host=route.host_ip, port=port, path=path.decode("ascii"),
                         query=scope.get("query_string") or None)
         headers = [(k, v) for k, v in scope["headers"]

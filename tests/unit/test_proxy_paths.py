@@ -124,6 +124,7 @@ INIT_SPELLINGS = [
     "/init", "/./init", "/x/../init", "/%2e/init", "/%2E%2E/init", "/x/%2e%2e/init",
     "//init", "/init/", "/init//", "///init", "/INIT", "/Init/", "/%69nit", "/%2finit",
     "/x%2f..%2finit", "/.%2e/init", "/x/..%2Finit", "/x/..%5cinit", "/freeze", "//upgrade/",
+    "/init%zz", "/init{", "/health%", "/files\\..\\init",
 ]
 
 
@@ -161,6 +162,12 @@ async def test_user_ports_get_the_raw_path_unchanged(proxy, target) -> None:
     port, upstream = proxy
     assert await _raw(port, target, sandbox_port=USER_PORT) == 200
     assert upstream.seen == [f"POST {target} HTTP/1.1".encode()]
+
+
+async def test_user_ports_get_bytes_httpx_must_escape_escaped(proxy) -> None:
+    port, upstream = proxy
+    assert await _raw(port, "/a{b}c", sandbox_port=USER_PORT) == 200
+    assert upstream.seen == [b"POST /a%7Bb%7Dc HTTP/1.1"]  # decodes to the same path
 
 
 @pytest.mark.parametrize("target", ["/a/../b", "/./x", "/a/%2e%2e/b", "/a/.%2E"])
