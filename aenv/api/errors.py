@@ -2,17 +2,46 @@
 
 The SDK's generated client parses error bodies with ``Error.from_dict`` and turns anything
 else (plain text, a missing key) into a raw exception, so no path may answer otherwise —
-validation failures, unknown routes and oversized bodies included.
+validation failures, unknown routes, oversized bodies and failures included.
+
+What no handler takes reaches ``_Boundary``, the innermost user middleware: the traceback is
+logged once, with the request's method and path, and the client gets a 5xx naming only the
+exception's type — never its text, which carries host paths, argv and stderr. Host-side
+families (``HOST_FAULTS``: storage, network, VM runtime) are the node's fault, so a 5xx
+that says which part failed, never a 400, even when one is also a ``ValueError``; anything
+else is ``500 internal error: <ExcType>``. The boundary answers instead of re-raising,
+because Starlette's ``ServerErrorMiddleware`` (where a handler for plain ``Exception``
+lives) re-raises after answering, so the server would log the trace again and in-process
+clients would see an exception instead of the answer. The same answer is also installed
+there, for what fails outside the boundary.
 """
 
 from __future__ import annotations
+
+import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..network.errors import NetworkError, PoolClosedError, PoolExhaustedError
 from ..orchestrator.errors import OrchestratorError
+from ..runtime.base import NotSupportedError, VMError
+from ..storage.errors import StorageError
+
+log = logging.getLogger(__name__)
+
+# (family, status, what the client is told), first match wins: subclasses before bases.
+HOST_FAULTS: tuple[tuple[type[Exception], int, str], ...] = (
+    (PoolExhaustedError, 503, "no network slot is free on this node"),
+    (PoolClosedError, 503, "the server is shutting down"),
+    (NetworkError, 500, "host network failure"),
+    (NotSupportedError, 501, "this node's VM runtime cannot do that"),
+    (VMError, 500, "VM runtime failure"),
+    (StorageError, 500, "host storage failure"),
+)
 
 
 class ApiError(Exception):
@@ -27,6 +56,44 @@ def error_response(status: int, message: str, *, retry: bool | None = None,
     if retry is not None:
         hdrs["Should-Retry"] = "true" if retry else "false"
     return JSONResponse({"code": status, "message": message}, status_code=status, headers=hdrs)
+
+
+def failure_response(exc: Exception) -> JSONResponse:
+    """The answer to an exception no handler took: its family's 5xx, or a plain 500."""
+    name = type(exc).__name__
+    for family, status, what in HOST_FAULTS:
+        if isinstance(exc, family):
+            return error_response(status, f"{what} ({name}); the server log has the details",
+                                  retry=False)
+    return error_response(500, f"internal error: {name}", retry=False)
+
+
+class _Boundary:
+    """Log and answer (``failure_response``) what escaped every exception handler."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:
+            if started:
+                # Part of an answer is out: only the server can end it, by cutting the
+                # connection (and it logs the trace).
+                raise
+            log.exception("%s %s failed: %s", scope["method"], scope["path"],
+                          type(exc).__name__)
+            await failure_response(exc)(scope, receive, send)
 
 
 def _describe(exc: RequestValidationError) -> str:
@@ -57,3 +124,11 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def _http(_: Request, exc: HTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
+
+    # ServerErrorMiddleware's handler: answers what failed outside the boundary, then
+    # re-raises it for the server to log.
+    @app.exception_handler(Exception)
+    async def _outside(_: Request, exc: Exception) -> JSONResponse:
+        return failure_response(exc)
+
+    app.add_middleware(_Boundary)

@@ -1,0 +1,46 @@
+"""The REST app as the server builds it, without a host: ``create_api`` over an
+``Orchestrator`` with an in-memory ``Database``, ``FakeMachines`` (no VM, no netns, no disk)
+and a ``Builder``, behind the API key. Shared by the API's unit tests; nothing here is a test.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from starlette.types import ASGIApp
+
+from aenv.api.app import create_api
+from aenv.orchestrator.builds import Builder
+from aenv.orchestrator.metrics import MetricsCollector
+from aenv.orchestrator.service import Limits, Orchestrator
+from aenv.store import Database, SandboxStore, TemplateRecord, TemplateStore
+from tests.unit.test_orchestrator import FakeMachines
+
+KEY = "e2b_" + "1" * 40
+AUTH = {"X-API-KEY": KEY}
+
+
+@dataclass
+class World:
+    app: ASGIApp
+    orchestrator: Orchestrator
+    machines: FakeMachines
+    builder: Builder
+
+
+def make_world(files_dir: Path, *, limits: Limits | None = None) -> World:
+    db = Database(":memory:")
+    sandboxes, templates = SandboxStore(db), TemplateStore(db)
+    now = time.time()
+    templates.insert(TemplateRecord(id="base", kind="template", build_id="builtin",
+                                    status="ready", cpu_count=1, memory_mb=256,
+                                    disk_size_mb=1024, created_at=now, updated_at=now,
+                                    names=["base"], user="user"))
+    machines = FakeMachines()
+    orch = Orchestrator(sandboxes, templates, machines, limits=limits or Limits())
+    builder = Builder(templates, machines, files_dir, pins=orch.pins)
+    app = create_api(orch, api_key=KEY, domain="localhost", metrics=MetricsCollector(sandboxes),
+                     logs=lambda *a, **k: [], builder=builder, upload_secret=KEY.encode())
+    return World(app, orch, machines, builder)
