@@ -15,6 +15,8 @@ from urllib.parse import quote, urlencode
 
 import httpx
 
+from .http import tls_verification
+
 USER_AGENT = "aenv-cli"
 # Generous: a create waits for the sandbox's envd to answer.
 DEFAULT_TIMEOUT_S = 120.0
@@ -72,7 +74,7 @@ class ApiClient:
         self.http = httpx.Client(
             base_url=self.url, timeout=httpx.Timeout(timeout, connect=5.0),
             headers={"X-API-KEY": api_key, "User-Agent": USER_AGENT},
-            transport=transport, follow_redirects=False)
+            transport=transport, follow_redirects=False, verify=tls_verification())
 
     def close(self) -> None:
         self.http.close()
