@@ -30,6 +30,7 @@ from ..network.errors import NetworkError, PoolClosedError, PoolExhaustedError
 from ..orchestrator.errors import OrchestratorError
 from ..runtime.base import NotSupportedError, VMError
 from ..storage.errors import StorageError
+from ..store.templates import NameTaken
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,11 @@ def install(app: FastAPI) -> None:
         # Failures after side effects must not be retried by the SDK (it retries POSTs).
         retry = exc.status == 429
         return error_response(exc.status, exc.message, retry=retry)
+
+    @app.exception_handler(NameTaken)
+    async def _name_taken(_: Request, exc: NameTaken) -> JSONResponse:
+        # A template or snapshot name is the client's to choose: another one is free.
+        return error_response(409, str(exc), retry=False)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

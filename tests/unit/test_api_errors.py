@@ -168,3 +168,16 @@ async def test_a_bug_while_killing_is_an_internal_error(api) -> None:
 
     world.machines.stop = stop
     _assert_e2b(await c.delete(f"/sandboxes/{sid}"), 500, "internal error: KeyError")
+
+
+async def test_a_snapshot_name_already_taken_is_a_409(api) -> None:
+    """Found by the fuzz: the store's NameTaken escaped as a 500."""
+    _, c = api
+    sid = await _sandbox(c)
+    r = await c.post(f"/sandboxes/{sid}/snapshots", json={"name": "base"})
+    assert r.status_code == 409, r.text
+    assert r.json() == {"code": 409, "message": "name 'base' is already used by template base"}
+    r = await c.post(f"/sandboxes/{sid}/snapshots", json={"name": "mine"})
+    assert r.status_code == 201, r.text
+    r = await c.post(f"/sandboxes/{sid}/snapshots", json={"name": "mine"})
+    assert r.status_code == 409 and r.json()["code"] == 409, r.text
