@@ -36,9 +36,15 @@ class Conflict(OrchestratorError):
 
 
 class LimitReached(OrchestratorError):
-    """Too many sandboxes or starts on this node."""
+    """This node is full: too many sandboxes or starts, or no room in its budgets."""
 
     status = 429
+
+
+class InsufficientStorage(OrchestratorError):
+    """Not enough disk for what the operation must write (e.g. a pause's snapshot)."""
+
+    status = 507
 
 
 class InvalidRequest(OrchestratorError):

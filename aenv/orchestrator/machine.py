@@ -29,12 +29,26 @@ class Placement:
     restored_from: str | None = None
 
 
+@dataclass(frozen=True)
+class NodeResources:
+    """The host's totals and its free space now (what admission control weighs)."""
+
+    cpus: int
+    memory_mb: int
+    disk_free_mb: int  # in AENV_HOME: snapshots, disks, the store
+    # Free space where booted VMs keep their guest RAM file (tmpfs); None: not in a file.
+    ram_file_free_mb: int | None = None
+
+
 class Machines(Protocol):
     #: Whether ``pause``/``resume`` work on this node (TTL expiry kills otherwise).
     can_pause: bool
 
     def image_key(self) -> str | None:
         """What the node's base image is made of (its digest); None when there is none."""
+
+    def resources(self) -> NodeResources:
+        """Host totals and free space, read now (cheap: a few statvfs calls)."""
 
     async def prepare(self, keep_slots: set[int], keep_vms: set[str]) -> None:
         """Get the node ready before recovery: host resources, leftovers of a crashed run

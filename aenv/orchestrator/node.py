@@ -30,7 +30,7 @@ from ..storage.images import Image, ensure_base_image
 from ..storage.kernel import Kernel, ensure_kernel
 from ..store import SandboxRecord, TemplateRecord
 from .errors import InvalidRequest
-from .machine import Placement
+from .machine import NodeResources, Placement
 
 log = logging.getLogger("aenv.node")
 
@@ -45,6 +45,19 @@ class _Running:
     vm: VM
     slot: NetworkSlot
     disk: Disk | None
+
+
+def _free_mb(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize >> 20
+
+
+def _host_memory_mb() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) >> 10
+    raise OSError("no MemTotal in /proc/meminfo")
 
 
 def _bound_all(logs: list[Path]) -> int:
@@ -93,6 +106,15 @@ class NodeMachines:
                 wd.remove(d)
         await asyncio.to_thread(self.pool.start, keep_slots)
         self._console_task = asyncio.create_task(self._bound_consoles(), name="aenv-consoles")
+
+    def resources(self) -> NodeResources:
+        home = self.settings.home
+        home.mkdir(parents=True, exist_ok=True)
+        shm = wd.ram_file_dir()
+        return NodeResources(
+            cpus=os.cpu_count() or 1, memory_mb=_host_memory_mb(),
+            disk_free_mb=_free_mb(home),
+            ram_file_free_mb=_free_mb(shm) if shm is not None else None)
 
     def image_key(self) -> str | None:
         return f"base-{self.base.digest[:16]}" if self.base else None

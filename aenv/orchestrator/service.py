@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..store import SandboxRecord, SandboxStore, TemplateRecord, TemplateStore
+from .admission import Admission, Ask, Budget
 from .errors import (
     Conflict,
     InvalidRequest,
@@ -37,9 +38,14 @@ from .timing import record_phases
 log = logging.getLogger("aenv.orchestrator")
 
 DEFAULT_TIMEOUT_S = 300
+PURGE_INTERVAL_S = 3600
 # Options of a sandbox's network fixed at create; an update replaces everything else.
 _CREATE_ONLY_NETWORK = ("allowPublicTraffic", "maskRequestHost", "httpsPorts")
 MAX_TIMEOUT_S = 24 * 3600
+
+
+# States in which a sandbox holds a VM (or is getting one): what admission counts.
+VM_STATES = ("creating", "running", "resuming", "forking", "snapshotting", "pausing")
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,8 @@ class Limits:
     max_sandboxes: int = 64
     max_starting: int = 8
     max_fork: int = 16
+    # Killed and lost sandboxes are forgotten this long after they ended.
+    retention_s: float = 24 * 3600
 
 
 @dataclass
@@ -75,6 +83,7 @@ class Orchestrator:
         machines: Machines,
         *,
         limits: Limits = Limits(),
+        budget: Budget = Budget(),
         clock: Callable[[], float] = time.time,
         ttl_interval: float = 1.0,
     ) -> None:
@@ -82,6 +91,10 @@ class Orchestrator:
         self.templates = templates
         self.machines = machines
         self.limits = limits
+        # Shared with the builder, whose VMs count too.
+        self.admission = Admission(budget, machines.resources,
+                                   lambda: self.sandboxes.in_states(VM_STATES))
+        self._purged_at = 0.0
         self.clock = clock
         self.ttl_interval = ttl_interval
         self._locks: dict[str, asyncio.Lock] = {}
@@ -135,9 +148,11 @@ class Orchestrator:
             if existing is not None:
                 return existing
         tpl = self.template(opts.template)
-        self._check_capacity(1)
         rec = self._new_record(tpl, opts)
-        self.sandboxes.insert(rec)
+        self.admission.check_size(rec.cpu_count, rec.memory_mb, rec.disk_size_mb)
+        self._check_capacity(1)
+        self.admission.check_start(Ask(rec.cpu_count, rec.memory_mb, cold=self._cold(tpl)))
+        self.sandboxes.insert(rec)  # no await since the checks: they still hold
         phases = await self._start(rec, tpl, opts.timeout)
         phases["orchestrator"] = self.clock() - t_start - sum(phases.values())
         record_phases("create", phases)
@@ -145,9 +160,12 @@ class Orchestrator:
             timings.update(phases)
         return self.get(rec.id)
 
+    def _cold(self, tpl: TemplateRecord) -> bool:
+        """Whether a start from ``tpl`` boots (a RAM file of its own) or restores."""
+        return not (tpl.image and self.machines.has_snapshot(tpl.image))
+
     def _check_capacity(self, n: int, *, starts: bool = True) -> None:
-        live = self.sandboxes.count(("creating", "running", "resuming", "forking",
-                                     "snapshotting", "pausing"))
+        live = self.sandboxes.count(VM_STATES)
         if live + n > self.limits.max_sandboxes:
             raise LimitReached(
                 f"this node runs at most {self.limits.max_sandboxes} sandboxes "
@@ -248,6 +266,7 @@ class Orchestrator:
             raise Conflict(f"sandbox '{rec.id}' is {rec.state}, not running")
         if not self.machines.can_pause:
             raise Unsupported("this node cannot snapshot sandboxes")
+        self.admission.check_pause(rec.memory_mb)
         if not self.sandboxes.transition(rec.id, ["running"], state):
             raise Conflict(f"sandbox '{rec.id}' changed state")
         t0 = self.clock()
@@ -298,6 +317,9 @@ class Orchestrator:
             spawn_count=src_tpl.spawn_count if src_tpl else 0,
             names=src_tpl.names if src_tpl else [])
         ttl = timeout if timeout is not None else max(int(src.end_at - src.started_at), 1)
+        # Checked again now that the capture is done, with no await until the inserts.
+        self._check_capacity(count, starts=False)
+        self.admission.check_start(Ask(src.cpu_count, src.memory_mb, count=count))
         children = []
         for _ in range(count):
             child = self._new_record(image, CreateOptions(
@@ -332,6 +354,10 @@ class Orchestrator:
             return
         if tpl.image and tpl.build_id == key and self.machines.has_snapshot(tpl.image):
             return
+        with self.admission.reserve(tpl.cpu_count, tpl.memory_mb):
+            await self._snapshot_template(tpl, key)
+
+    async def _snapshot_template(self, tpl: TemplateRecord, key: str) -> None:
         now = self.clock()
         rec = SandboxRecord(
             id=new_id(), template_id=tpl.id, state="building", client_id="aenv-template",
@@ -465,6 +491,8 @@ class Orchestrator:
     async def _pause_locked(self, rec: SandboxRecord, memory: bool) -> None:
         if not self.machines.can_pause:
             raise Unsupported("this node cannot pause sandboxes")
+        if memory:  # a filesystem pause links the disk: it writes next to nothing
+            self.admission.check_pause(rec.memory_mb)
         # The snapshot's name is recorded before it is written, so a restart can tell a
         # finished pause (complete snapshot) from an interrupted one.
         ref = new_snapshot_ref()
@@ -500,6 +528,8 @@ class Orchestrator:
 
     async def _resume_locked(self, rec: SandboxRecord, timeout: int | None,
                              timings: dict[str, float] | None = None) -> None:
+        self.admission.check_start(Ask(rec.cpu_count, rec.memory_mb,
+                                       cold=rec.pause_mode == "filesystem"))
         if not self.sandboxes.transition(rec.id, ["paused"], "resuming"):
             raise Conflict(f"sandbox '{rec.id}' changed state")
         tpl = self.templates.get(rec.template_id)
@@ -535,6 +565,13 @@ class Orchestrator:
                 log.exception("TTL sweep failed")
 
     async def expire_once(self) -> None:
+        now = self.clock()
+        if now - self._purged_at > PURGE_INTERVAL_S:
+            self._purged_at = now
+            purged = self.sandboxes.purge_ended(now - self.limits.retention_s)
+            if purged:
+                log.info("forgot %d sandboxes that ended over %.0f h ago", purged,
+                         self.limits.retention_s / 3600)
         for rec in self.sandboxes.expired(self.clock()):
             if self._lock(rec.id).locked():
                 continue  # an operation is in flight; look again next tick

@@ -41,10 +41,17 @@ def drive_name(drive: Drive) -> str:
     return f"{drive.id}.{drive.format}"
 
 
+def ram_file_dir() -> Path | None:
+    """The tmpfs where booted VMs keep guest RAM files, or None when they keep them in
+    their working directory (no writable tmpfs on ``/dev/shm``)."""
+    return SHM if _is_tmpfs(SHM) and os.access(SHM, os.W_OK) else None
+
+
 def default_memory_file(vm_id: str, workdir: Path, prefix: str = "aenv") -> Path:
     """Where guest RAM of ``vm_id`` should live on this host (see the module docstring)."""
-    if _is_tmpfs(SHM) and os.access(SHM, os.W_OK):
-        return SHM / f"{prefix}-vm-{vm_id}.mem"
+    shm = ram_file_dir()
+    if shm is not None:
+        return shm / f"{prefix}-vm-{vm_id}.mem"
     return workdir / MEMORY
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from aenv.client.envd import ENVD_PORT, EnvdClient
 from aenv.orchestrator.errors import Unsupported
-from aenv.orchestrator.machine import Placement
+from aenv.orchestrator.machine import NodeResources, Placement
 from aenv.store import SandboxRecord, TemplateRecord
 from tests.conftest import ROOT, stop_process
 
@@ -28,6 +28,10 @@ class ProcessMachines:
 
     def image_key(self) -> str | None:
         return None
+
+    def resources(self) -> NodeResources:
+        """Host processes: no budget of their own worth weighing."""
+        return NodeResources(cpus=1024, memory_mb=1 << 30, disk_free_mb=1 << 30)
 
     async def prepare(self, keep_slots: set[int], keep_vms: set[str]) -> None:
         pass

@@ -16,7 +16,7 @@ from aenv.orchestrator.errors import (
     StartFailed,
     TemplateNotFound,
 )
-from aenv.orchestrator.machine import Placement
+from aenv.orchestrator.machine import NodeResources, Placement
 from aenv.orchestrator.service import CreateOptions, Limits, Orchestrator
 from aenv.store import Database, SandboxStore, TemplateRecord, TemplateStore
 
@@ -37,9 +37,14 @@ class FakeMachines:
         self.restored: list[tuple[str, str | None]] = []
         self.saved: set[str] = set()
         self.networks: list[tuple] = []
+        self.host = NodeResources(cpus=4, memory_mb=8192, disk_free_mb=100_000,
+                                  ram_file_free_mb=8192)
 
     def image_key(self) -> str | None:
         return "key-1"
+
+    def resources(self) -> NodeResources:
+        return self.host
 
     async def prepare(self, keep_slots, keep_vms) -> None:
         pass
