@@ -28,8 +28,13 @@ APT_PACKAGES=(
   zstd
 )
 
+# Debian packages only the tests need (deploy/host-packages.sh does not list them).
+TEST_APT_PACKAGES=(
+  dnsmasq-base  # tests/server/test_tls_e2e.py: a resolver for *.aenv.test (no service)
+)
+
 missing=()
-for pkg in "${APT_PACKAGES[@]}"; do
+for pkg in "${APT_PACKAGES[@]}" "${TEST_APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
 done
 if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
