@@ -14,6 +14,10 @@ because Starlette's ``ServerErrorMiddleware`` (where a handler for plain ``Excep
 lives) re-raises after answering, so the server would log the trace again and in-process
 clients would see an exception instead of the answer. The same answer is also installed
 there, for what fails outside the boundary.
+
+An ``OrchestratorError`` of 5xx that wraps a host error (``raise StartFailed(f"...: {e}")
+from e``) keeps its own words, but the wrapped error's text in them is replaced by that
+error's family and type, for the same reason.
 """
 
 from __future__ import annotations
@@ -59,14 +63,26 @@ def error_response(status: int, message: str, *, retry: bool | None = None,
     return JSONResponse({"code": status, "message": message}, status_code=status, headers=hdrs)
 
 
-def failure_response(exc: Exception) -> JSONResponse:
-    """The answer to an exception no handler took: its family's 5xx, or a plain 500."""
+def _fault(exc: BaseException) -> tuple[int, str]:
+    """(status, what the client may read) of an error: its family and type, no text."""
     name = type(exc).__name__
     for family, status, what in HOST_FAULTS:
         if isinstance(exc, family):
-            return error_response(status, f"{what} ({name}); the server log has the details",
-                                  retry=False)
-    return error_response(500, f"internal error: {name}", retry=False)
+            return status, f"{what} ({name})"
+    return 500, f"internal error: {name}"
+
+
+def failure_response(exc: Exception) -> JSONResponse:
+    """The answer to an exception no handler took: its family's 5xx, or a plain 500."""
+    status, message = _fault(exc)
+    return error_response(status, message, retry=False)
+
+
+def _public_message(exc: OrchestratorError) -> str:
+    cause = exc.__cause__
+    if exc.status < 500 or cause is None or not str(cause):
+        return exc.message
+    return exc.message.replace(str(cause), _fault(cause)[1])
 
 
 class _Boundary:
@@ -116,7 +132,7 @@ def install(app: FastAPI) -> None:
     async def _orch(_: Request, exc: OrchestratorError) -> JSONResponse:
         # Failures after side effects must not be retried by the SDK (it retries POSTs).
         retry = exc.status == 429
-        return error_response(exc.status, exc.message, retry=retry)
+        return error_response(exc.status, _public_message(exc), retry=retry)
 
     @app.exception_handler(NameTaken)
     async def _name_taken(_: Request, exc: NameTaken) -> JSONResponse:

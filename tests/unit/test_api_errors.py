@@ -181,3 +181,16 @@ async def test_a_snapshot_name_already_taken_is_a_409(api) -> None:
     assert r.status_code == 201, r.text
     r = await c.post(f"/sandboxes/{sid}/snapshots", json={"name": "mine"})
     assert r.status_code == 409 and r.json()["code"] == 409, r.text
+
+
+async def test_a_failed_start_does_not_show_the_console_or_vmm_log(api) -> None:
+    """Found by the fuzz: StartFailed's message embedded the BootError's text (console
+    and VMM log tails, host paths)."""
+    world, c = api
+
+    async def start(rec, template):
+        raise BootError(SECRET, console_tail=SECRET, vmm_log_tail=SECRET)
+
+    world.machines.start = start
+    _assert_e2b(await c.post("/v2/sandboxes", json={"templateID": "base"}), 500,
+                "sandbox could not be started: VM runtime failure (BootError)")
