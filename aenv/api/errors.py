@@ -85,6 +85,16 @@ def _public_message(exc: OrchestratorError) -> str:
     return exc.message.replace(str(cause), _fault(cause)[1])
 
 
+def public_error(exc: Exception) -> tuple[int, str]:
+    """(code, message) of ``exc`` as an answer would carry them, for a route that reports
+    errors inside a 2xx body (a fork's failed children)."""
+    if isinstance(exc, OrchestratorError):
+        return exc.status, _public_message(exc)
+    if isinstance(exc, ApiError):
+        return exc.status, exc.message
+    return _fault(exc)
+
+
 class _Boundary:
     """Log and answer (``failure_response``) what escaped every exception handler."""
 

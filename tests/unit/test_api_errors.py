@@ -22,6 +22,7 @@ from aenv.network.errors import (
     PoolExhaustedError,
     SlotBusyError,
 )
+from aenv.orchestrator.errors import Conflict, StartFailed
 from aenv.runtime.base import BootError, NotSupportedError, VMExitedError
 from aenv.runtime.base import SnapshotError as VMSnapshotError
 from aenv.storage.errors import CommandFailed, ImageError
@@ -194,3 +195,37 @@ async def test_a_failed_start_does_not_show_the_console_or_vmm_log(api) -> None:
     world.machines.start = start
     _assert_e2b(await c.post("/v2/sandboxes", json={"templateID": "base"}), 500,
                 "sandbox could not be started: VM runtime failure (BootError)")
+
+
+def test_public_error_is_what_an_answer_would_carry() -> None:
+    """What a fork's failed child should report (``snapshots.fork`` uses ``str(exc)``)."""
+    try:
+        try:
+            raise BootError(SECRET, console_tail=SECRET)
+        except BootError as e:
+            raise StartFailed(f"sandbox could not be started: {e}") from e
+    except StartFailed as e:
+        started = e
+    assert errors.public_error(started) == (
+        500, "sandbox could not be started: VM runtime failure (BootError)")
+    assert errors.public_error(KeyError(SECRET)) == (500, "internal error: KeyError")
+    assert errors.public_error(Conflict("sandbox 'x' is paused")) == (
+        409, "sandbox 'x' is paused")
+
+
+@pytest.mark.xfail(strict=True, reason="reported: aenv/api/snapshots.py fork() puts str(r) of "
+                   "a failed child in its 201 body; errors.public_error(r) is the fix")
+async def test_a_fork_whose_children_fail_does_not_show_the_vmm_log(api) -> None:
+    """Found by the fuzz."""
+    world, c = api
+    sid = await _sandbox(c)
+
+    async def start(rec, template):
+        raise BootError(SECRET, vmm_log_tail=SECRET)
+
+    world.machines.start = start
+    r = await c.post(f"/sandboxes/{sid}/fork", json={"count": 2})
+    assert r.status_code == 201, r.text
+    assert SECRET not in r.text
+    message = "sandbox could not be started: VM runtime failure (BootError)"
+    assert r.json() == [{"error": {"code": 500, "message": message}}] * 2
