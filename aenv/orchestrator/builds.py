@@ -8,12 +8,24 @@ the sandbox's default user); ``ENV`` and ``WORKDIR`` apply to later steps and ar
 template. The result is a new read-only image layer on top of the parent's (the machines
 decide what a layer is on this host). Step names in logs and errors follow the SDK: ``base``
 for the parent, ``1``..``n`` for the steps, ``finalize`` for the commit.
+
+COPY follows E2B's template manager (``commands/copy.go`` and ``copy_script.sh`` in
+e2b-dev/infra): the client matched the glob and the archive holds the matches, so the step
+copies the part of the source before its first glob segment (``copy_source_base``) from
+the unpacked archive: a directory's contents are merged into the destination directory, a
+file or symlink is moved to the destination (into it when it ends in ``/``), symlinks stay
+symlinks, ``mode`` applies to every copied file and directory (not to symlinks), and the
+owner (``user`` or ``user:group``, default the build's user) to every copied entry. A
+relative destination is under the working directory, else the build user's home.
+Directories the step creates for the destination belong to the owner too (as WORKDIR's and
+Docker's); existing ones keep their owner and mode.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import posixpath
 import re
 import shlex
 import time
@@ -37,7 +49,11 @@ READY_TIMEOUT_S = 600
 READY_INTERVAL_S = 1.0
 STEP_TYPES = {"RUN", "ENV", "ARG", "WORKDIR", "USER", "COPY", "EXPOSE", "VOLUME", "LABEL"}
 _HASH = re.compile(r"^[A-Za-z0-9]{8,128}$")
-_SAFE_GLOB = re.compile(r"^[A-Za-z0-9._/*?\[\]+@=,-]+$")
+_MODE = re.compile(r"^[0-7]{3,4}$")
+# What doublestar (E2B's server side) takes for glob syntax when it splits a source.
+_GLOB_META = "*?[{"
+# Build commands find the usual tools whatever PATH the template's ENV steps set.
+_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 class StepFailed(Exception):
@@ -54,6 +70,127 @@ class BuildContext:
     workdir: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     default_user: str | None = None
+
+
+# -- COPY -----------------------------------------------------------------------------------
+
+
+def copy_source_base(src: str) -> str:
+    """The part of a COPY source that the step copies out of its archive: everything before
+    the last ``/`` that precedes the first glob character, as E2B's template manager takes
+    it (``doublestar.SplitPattern(src + "/")``), normalised and relative to the archive's
+    root (``"."`` for the whole archive). ``folder/*`` → ``folder``, ``a.txt`` → ``a.txt``,
+    ``*.txt`` → ``.``, ``src/**/*.py`` → ``src``. Backslash escapes are undone.
+
+    Raises ValueError for a source that is absolute or leaves the context (the SDK refuses
+    those before it uploads anything).
+    """
+    if src.startswith("/"):
+        raise ValueError(f"COPY source '{src}' is absolute")
+    pattern = src if src.endswith("/") else src + "/"
+    split, i = -1, 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == "/":
+            split = i
+        elif c in _GLOB_META:
+            break
+        i += 1
+    base = re.sub(r"\\(.)", r"\1", pattern[:split]) if split > 0 else "."
+    base = posixpath.normpath(base)
+    if base == ".." or base.startswith("../"):
+        raise ValueError(f"COPY source '{src}' leaves the context directory")
+    return base
+
+
+def copy_owner(owner: str, build_user: str) -> str:
+    """``user:group`` for chown: the step's owner (``user`` means ``user:user``, as in
+    E2B), else the build's current user."""
+    owner = owner or build_user
+    return owner if ":" in owner else f"{owner}:{owner}"
+
+
+def extract_command(archive: str, unpack: str) -> str:
+    """Unpack the uploaded archive into an empty ``unpack`` directory (gzip or not)."""
+    q = shlex.quote
+    return (f"rm -rf -- {q(unpack)} && mkdir -p -- {q(unpack)} && "
+            f"tar -xf {q(archive)} -C {q(unpack)} && rm -f -- {q(archive)} || "
+            f"{{ rc=$?; rm -rf -- {q(unpack)} {q(archive)}; exit $rc; }}")
+
+
+def copy_script(*, entry: str, src: str, dest: str, owner: str, mode: str,
+                workdir: str | None, user: str, cleanup: str | None = None) -> str:
+    """The shell script (bash, run as root) that moves ``entry`` (the source's base in the
+    unpacked archive) to ``dest``: see the module docstring. Every value reaches the shell
+    as a quoted assignment, never as code. ``cleanup`` is removed when the script ends."""
+    q = shlex.quote
+    return f"""set -o pipefail
+export PATH={_PATH}
+entry={q(entry)}
+src={q(src)}
+target={q(dest)}
+owner={q(owner)}
+mode={q(mode)}
+workdir={q(workdir or "")}
+user={q(user)}
+{f"trap 'rm -rf -- {q(cleanup)}' EXIT" if cleanup else ":"}
+
+case "$target" in
+/*) ;;
+*)  if [ -z "$workdir" ]; then
+        workdir=$(getent passwd "$user" | cut -d: -f6)
+        if [ -z "$workdir" ]; then
+            echo "cannot place '$target': user '$user' has no home directory" >&2
+            exit 1
+        fi
+    fi
+    target="${{workdir%/}}/$target" ;;
+esac
+
+# mkdir -p, and the directories it creates belong to the owner; existing ones are kept.
+make_dir() {{
+    local d=$1 new=
+    while [ ! -e "$d" ] && [ ! -L "$d" ]; do
+        new=$d
+        d=$(dirname -- "$d")
+    done
+    mkdir -p -- "$1" || exit 1
+    if [ -n "$new" ]; then chown -R -- "$owner" "$new" || exit 1; fi
+}}
+
+if [ ! -e "$entry" ] && [ ! -L "$entry" ]; then
+    echo "Error: source path does not exist: $src" >&2
+    exit 1
+fi
+# The type is checked before chown/chmod so that a symlink is never followed.
+if [ -L "$entry" ] || [ -f "$entry" ]; then
+    if [ -L "$entry" ]; then
+        chown -h -- "$owner" "$entry" || exit 1
+    else
+        chown -- "$owner" "$entry" || exit 1
+        if [ -n "$mode" ]; then chmod -- "$mode" "$entry" || exit 1; fi
+    fi
+    case "$target" in
+    */) make_dir "$target" ;;
+    *)  make_dir "$(dirname -- "$target")" ;;
+    esac
+    mv -- "$entry" "$target" || exit 1
+elif [ -d "$entry" ]; then
+    chown -R -- "$owner" "$entry" || exit 1
+    if [ -n "$mode" ]; then chmod -R -- "$mode" "$entry" || exit 1; fi
+    make_dir "$target"
+    # Merged as Docker's tar-based COPY merges: existing directories are merged into (their
+    # owner and mode kept, a symlink to a directory followed), existing files replaced.
+    (cd -- "$entry" && tar -cf - .) | \\
+        tar -xf - -C "$target" --keep-directory-symlink --no-overwrite-dir || exit 1
+else
+    echo "Error: $src is neither a file, a directory nor a symlink" >&2
+    exit 1
+fi
+"""
 
 
 class Builder:
@@ -274,32 +411,25 @@ class Builder:
                     ctx: BuildContext) -> None:
         args = [*(s.get("args") or []), "", "", "", ""]
         src, dest, owner, mode = args[:4]
-        if not src or not dest or src.startswith("/") or ".." in src.split("/"):
-            raise StepFailed(step, f"COPY needs a relative source and a destination: {args[:2]}")
-        if not _SAFE_GLOB.match(src):
-            raise StepFailed(step, f"COPY source has unsupported characters: {src}")
-        archive = self.file_path(s["filesHash"])
-        remote = f"/tmp/aenv-build-{s['filesHash']}.tar"
-        await envd.upload(remote, archive, user="root")
-        if not dest.startswith("/"):
-            dest = f"{ctx.workdir or '/root'}/{dest}"
-        q = shlex.quote
-        owner = owner or (ctx.user if ctx.user != "root" else "")
-        script = f"""set -e
-d=$(mktemp -d)
-tar -xf {q(remote)} -C "$d"
-rm -f {q(remote)}
-dest={q(dest)}
-for f in "$d"/{src}; do
-  [ -e "$f" ] || {{ echo "no files match {src}" >&2; exit 1; }}
-  if [ -d "$f" ]; then mkdir -p "$dest"; cp -a "$f"/. "$dest"/; t="$dest"
-  else case "$dest" in */) mkdir -p "$dest"; t="$dest$(basename "$f")";;
-       *) mkdir -p "$(dirname "$dest")"; t="$dest";; esac; cp -a "$f" "$t"; fi
-  {f'chown -R {q(owner)}: "$t"' if owner else ':'}
-  {f'chmod {q(mode)} "$t"' if mode else ':'}
-done
-rm -rf "$d"
-"""
+        if not src or not dest:
+            raise StepFailed(step, "COPY requires a local path and a container path argument")
+        if not s.get("filesHash"):
+            raise StepFailed(step, "COPY requires files hash to be set")
+        if mode and not _MODE.match(mode):
+            raise StepFailed(step, f"COPY mode '{mode}' is not an octal file mode")
+        try:
+            base = copy_source_base(src)
+        except ValueError as e:
+            raise StepFailed(step, str(e)) from None
+        work = f"/tmp/aenv-copy-{build_id}-{step}"
+        archive, unpack = f"{work}.tar", f"{work}/unpack"
+        await envd.upload(archive, self.file_path(s["filesHash"]), user="root")
+        await self._run_cmd(envd, build_id, step, extract_command(archive, unpack),
+                            user="root", ctx=ctx, cwd="/")
+        script = copy_script(
+            entry=posixpath.normpath(posixpath.join(unpack, base)), src=src, dest=dest,
+            owner=copy_owner(owner, ctx.user), mode=mode, workdir=ctx.workdir, user=ctx.user,
+            cleanup=work)
         await self._run_cmd(envd, build_id, step, script, user="root", ctx=ctx, cwd="/")
 
     async def _start_and_wait(self, envd: EnvdClient, build_id: str, spec: dict[str, Any],
