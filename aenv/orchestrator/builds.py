@@ -9,6 +9,15 @@ template. The result is a new read-only image layer on top of the parent's (the 
 decide what a layer is on this host). Step names in logs and errors follow the SDK: ``base``
 for the parent, ``1``..``n`` for the steps, ``finalize`` for the commit.
 
+A failed step reads as E2B's template manager words it (``failed to run command '<cmd>':
+exit status 1``, ``failed to move files in sandbox: ...``, ...), followed by the last lines
+the step printed, so the SDK's ``BuildException`` (``reason.message``) says what went
+wrong without the logs. No build stays ``waiting`` for good: a start that is refused
+fails its build, a newer reservation for the same template and tag supersedes an
+unstarted one, and one never started within ``WAITING_DEADLINE_S`` (E2B's 40 minutes)
+fails; a template without a ready image takes its status from its builds (``error`` once
+none is left).
+
 COPY follows E2B's template manager (``commands/copy.go`` and ``copy_script.sh`` in
 e2b-dev/infra): the client matched the glob and the archive holds the matches, so the step
 copies the part of the source before its first glob segment (``copy_source_base``) from
@@ -29,11 +38,13 @@ import posixpath
 import re
 import shlex
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..client.envd import ENVD_PORT, EnvdClient
+from ..client.envd import ENVD_PORT, EnvdClient, EnvdError
 from ..store import BuildRecord, SandboxRecord, TemplateRecord, TemplateStore
 from .errors import Conflict, InvalidRequest, TemplateNotFound
 from .ids import new_id, new_layer_ref, new_snapshot_ref, new_token
@@ -50,6 +61,15 @@ READY_INTERVAL_S = 1.0
 STEP_TYPES = {"RUN", "ENV", "ARG", "WORKDIR", "USER", "COPY", "EXPOSE", "VOLUME", "LABEL"}
 _HASH = re.compile(r"^[A-Za-z0-9]{8,128}$")
 _MODE = re.compile(r"^[0-7]{3,4}$")
+# E2B's API (template-manager/template_status.go): a reservation not started by then fails.
+WAITING_DEADLINE_S = 40 * 60
+SWEEP_INTERVAL_S = 60.0
+SUPERSEDED = "The build was canceled because it was superseded by a newer one."
+WAITED_TOO_LONG = "build is in waiting state for too long"
+# The end of a failed step's output that its error message carries.
+TAIL_LINES = 20
+TAIL_BYTES = 4096
+_LINE_CHARS = 8192  # a line without a newline is cut into lines of this size
 # What doublestar (E2B's server side) takes for glob syntax when it splits a source.
 _GLOB_META = "*?[{"
 # Build commands find the usual tools whatever PATH the template's ENV steps set.
@@ -193,23 +213,95 @@ fi
 """
 
 
+# -- command output -------------------------------------------------------------------------
+
+
+class _Output:
+    """A command's output as build-log lines (a line split across chunks is one line, blank
+    lines are dropped as E2B drops them) and its last lines, for the step's error."""
+
+    def __init__(self, emit: Callable[[str], None]) -> None:
+        self.emit = emit
+        self.partial = {"stdout": "", "stderr": ""}
+        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+        self.lines = 0
+
+    def feed(self, stream: str, text: str) -> None:
+        text = self.partial.get(stream, "") + text
+        *lines, rest = text.split("\n")
+        while len(rest) > _LINE_CHARS:
+            lines.append(rest[:_LINE_CHARS])
+            rest = rest[_LINE_CHARS:]
+        self.partial[stream] = rest
+        for line in lines:
+            self._line(line)
+
+    def close(self) -> None:
+        for stream, rest in self.partial.items():
+            if rest:
+                self._line(rest)
+            self.partial[stream] = ""
+
+    def _line(self, line: str) -> None:
+        line = line.rstrip("\r")
+        if not line.strip():
+            return
+        self.emit(line)
+        self.lines += 1
+        self.tail.append(line)
+
+    def last_lines(self) -> list[str]:
+        kept: list[str] = []
+        size = 0
+        for line in reversed(self.tail):
+            size += len(line.encode("utf-8", "replace")) + 1
+            if kept and size > TAIL_BYTES:
+                break
+            kept.append(line if size <= TAIL_BYTES else line[:TAIL_BYTES] + " ...")
+        return kept[::-1]
+
+
+def step_failure(what: str, status: str, step: str, output: _Output | None) -> str:
+    """``<what>: <status>`` (E2B's words), then the end of what the step printed."""
+    message = f"{what}: {status}"
+    lines = output.last_lines() if output else []
+    if lines:
+        shown = (f"last {len(lines)} of {output.lines} lines" if output.lines > len(lines)
+                 else "output")
+        message += f"\nstep {step} {shown}:\n" + "\n".join(lines)
+    return message
+
+
+# -- the builder ----------------------------------------------------------------------------
+
+
 class Builder:
     def __init__(self, templates: TemplateStore, machines: Machines, files_dir: Path,
-                 pins: Pins | None = None) -> None:
+                 pins: Pins | None = None, *,
+                 waiting_deadline: float = WAITING_DEADLINE_S) -> None:
         self.templates = templates
         self.machines = machines
         self.files_dir = files_dir
         # Shared with the orchestrator's garbage collection: the parent's image is read for
         # the whole build, the new image is written before the template names it.
         self.pins = pins or Pins()
+        self.waiting_deadline = waiting_deadline
         self._tasks: dict[str, asyncio.Task] = {}
+        self._sweeper: asyncio.Task | None = None
 
     # -- requests -------------------------------------------------------------------------
 
     def request(self, name: str, *, tags: list[str] | None = None,
                 cpu_count: int | None = None, memory_mb: int | None = None
                 ) -> tuple[TemplateRecord, BuildRecord, list[str]]:
-        """Reserve (or reuse, when ``name`` exists) a template and a new build."""
+        """Reserve (or reuse, when ``name`` exists) a template and a new build.
+
+        A new template holds its name from now on (as E2B's alias), so that a second
+        request for it finds the same template; its tags are added when a build is ready.
+        Earlier builds of the template for one of these tags that were never started are
+        failed, superseded by this one (E2B's ``InvalidateUnstartedTemplateBuilds``).
+        """
+        self.expire_waiting()
         base, _, tag = name.partition(":")
         tags = list(dict.fromkeys([tag or "default", *(tags or [])]))
         now = time.time()
@@ -220,7 +312,7 @@ class Builder:
             tpl = TemplateRecord(
                 id=new_id(), kind="template", build_id="", status="waiting",
                 cpu_count=cpu_count or DEFAULT_CPU, memory_mb=memory_mb or DEFAULT_MEMORY_MB,
-                disk_size_mb=DEFAULT_DISK_MB, created_at=now, updated_at=now, names=[])
+                disk_size_mb=DEFAULT_DISK_MB, created_at=now, updated_at=now, names=[base])
             self.templates.insert(tpl)
         else:
             tpl = existing
@@ -228,9 +320,14 @@ class Builder:
                 self.templates.update(tpl.id, cpu_count=cpu_count or tpl.cpu_count,
                                       memory_mb=memory_mb or tpl.memory_mb)
         names = [base] + [f"{base}:{t}" for t in tags]
+        for old in self.templates.builds_in(("waiting",)):
+            old_tags = set((old.spec or {}).get("names", [])[1:])
+            if old.template_id == tpl.id and old_tags & set(names[1:]):
+                self._fail(old.id, tpl.id, None, SUPERSEDED)
         build = BuildRecord(id=new_id(), template_id=tpl.id, status="waiting", created_at=now,
                             spec={"names": names})
         self.templates.insert_build(build)
+        self._settle(tpl.id)
         return self.templates.get(tpl.id) or tpl, build, tags
 
     def file_path(self, files_hash: str) -> Path:
@@ -239,46 +336,86 @@ class Builder:
         return self.files_dir / f"{files_hash}.tar"
 
     def start(self, template_id: str, build_id: str, spec: dict[str, Any]) -> None:
+        """Start a reserved build. A start refused for what it asks (``InvalidRequest``,
+        ``TemplateNotFound`` for the parent) fails the build with that reason before it
+        raises: the SDK does not start a build twice, so it would wait forever."""
         tpl = self.templates.get(template_id)
         build = self.templates.get_build(build_id)
         if tpl is None or build is None or build.template_id != tpl.id:
             raise TemplateNotFound(f"{template_id}/{build_id}")
         if build.status != "waiting":
             raise Conflict(f"build {build_id} was already started")
+
+        def refuse(step: str, error: Exception) -> Exception:
+            self._fail(build_id, tpl.id, step, str(error))
+            return error
+
         if spec.get("fromImage"):
-            raise InvalidRequest(
+            raise refuse("base", InvalidRequest(
                 "fromImage needs an OCI registry, which this node does not pull from; "
-                "build from a template (fromTemplate) instead")
+                "build from a template (fromTemplate) instead"))
         parent = self.templates.get(spec.get("fromTemplate") or "base")
         if parent is None or parent.status != "ready":
-            raise TemplateNotFound(spec.get("fromTemplate") or "base")
+            raise refuse("base", TemplateNotFound(spec.get("fromTemplate") or "base"))
         for i, step in enumerate(spec.get("steps") or [], start=1):
             kind = step.get("type")
             if kind not in STEP_TYPES:
-                raise InvalidRequest(f"step {i}: unknown type '{kind}'")
+                raise refuse(str(i), InvalidRequest(f"step {i}: unknown type '{kind}'"))
             if kind == "COPY":
                 h = step.get("filesHash")
-                if not h or not self.file_path(h).exists():
-                    raise InvalidRequest(f"step {i}: files for hash '{h}' were not uploaded")
+                try:
+                    present = bool(h) and self.file_path(h).exists()
+                except InvalidRequest as e:
+                    raise refuse(str(i), e) from None
+                if not present:
+                    raise refuse(str(i), InvalidRequest(
+                        f"step {i}: files for hash '{h}' were not uploaded"))
         names = (build.spec or {}).get("names", [])
         self.templates.update_build(build_id, status="building", spec={**spec, "names": names})
-        self.templates.update(template_id, status="building" if tpl.status != "ready"
-                              else tpl.status)
+        self._settle(template_id)
         task = asyncio.create_task(self._run(tpl.id, build_id, parent, spec, names),
                                    name=f"aenv-build-{build_id}")
         self._tasks[build_id] = task
         task.add_done_callback(lambda _: self._tasks.pop(build_id, None))
 
+    def expire_waiting(self, now: float | None = None) -> None:
+        """Fail reservations not started within ``waiting_deadline`` of their request."""
+        now = time.time() if now is None else now
+        for b in self.templates.builds_in(("waiting",)):
+            if now - b.created_at > self.waiting_deadline:
+                self._fail(b.id, b.template_id, None, WAITED_TOO_LONG)
+
     def recover(self) -> None:
-        """Builds interrupted by a restart cannot continue: mark them failed."""
+        """Builds interrupted by a restart cannot continue: mark them failed. Reservations
+        are kept (a client may still start them) until their deadline; from here on they
+        are swept every ``SWEEP_INTERVAL_S`` when there is an event loop."""
         for b in self.templates.builds_in(("waiting", "building")):
             if b.status == "building":
                 self._fail(b.id, b.template_id, "finalize", "the server restarted during the build")
+        self.expire_waiting()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        if self._sweeper is None:
+            self._sweeper = loop.create_task(self._sweep(), name="aenv-build-sweeper")
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+            try:
+                self.expire_waiting()
+            except Exception:
+                log.exception("sweeping unstarted builds failed")
 
     async def close(self) -> None:
-        for t in list(self._tasks.values()):
+        tasks = list(self._tasks.values())
+        if self._sweeper is not None:
+            tasks.append(self._sweeper)
+            self._sweeper = None
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     # -- execution ------------------------------------------------------------------------
 
@@ -286,13 +423,24 @@ class Builder:
              level: str = "info") -> None:
         self.templates.append_log(build_id, message, level=level, step=step)
 
-    def _fail(self, build_id: str, template_id: str, step: str, message: str) -> None:
-        self._log(build_id, message, step=step, level="error")
+    def _fail(self, build_id: str, template_id: str, step: str | None, message: str) -> None:
+        self._log(build_id, f"Build failed: {message}", step=step, level="error")
         self.templates.update_build(build_id, status="error", reason=message, reason_step=step,
                                     finished_at=time.time())
+        self._settle(template_id)
+
+    def _settle(self, template_id: str) -> None:
+        """A template without a ready image shows the state of its builds (E2B shows the
+        latest build's): ``building`` or ``waiting`` while one is, else ``error``. A ready
+        template stays ready: its image still serves while it is rebuilt."""
         tpl = self.templates.get(template_id)
-        if tpl is not None and tpl.status != "ready":
-            self.templates.update(template_id, status="error")
+        if tpl is None or tpl.status == "ready":
+            return
+        live = {b.status for b in self.templates.builds_in(("waiting", "building"))
+                if b.template_id == template_id}
+        status = "building" if "building" in live else "waiting" if live else "error"
+        if status != tpl.status:
+            self.templates.update(template_id, status=status)
 
     async def _run(self, template_id: str, build_id: str, parent: TemplateRecord,
                    spec: dict[str, Any], names: list[str]) -> None:
@@ -328,7 +476,8 @@ class Builder:
                 if spec.get("startCmd"):
                     await self._start_and_wait(envd, build_id, spec, ctx)
                 # The guest's page cache must reach the disk before it becomes a layer.
-                await self._run_cmd(envd, build_id, step, "sync", user="root", ctx=ctx, cwd="/")
+                await self._run_cmd(envd, build_id, step, "sync", user="root", ctx=ctx, cwd="/",
+                                    what="error running sync command")
             finally:
                 await envd.aclose()
             step = "finalize"
@@ -345,7 +494,7 @@ class Builder:
             self._fail(build_id, template_id, e.step, str(e))
             return
         except asyncio.CancelledError:
-            self._fail(build_id, template_id, step, "the build was cancelled")
+            self._fail(build_id, template_id, step, "build was cancelled")
             raise
         except Exception as e:
             log.exception("build %s failed", build_id)
@@ -370,42 +519,53 @@ class Builder:
         self._log(build_id, f"{kind} {' '.join(args)}".rstrip(), step=step)
         if kind == "RUN":
             if not args:
-                raise StepFailed(step, "RUN needs a command")
+                raise StepFailed(step, "RUN requires command argument")
             await self._run_cmd(envd, build_id, step, args[0],
                                 user=args[1] if len(args) > 1 and args[1] else ctx.user, ctx=ctx)
         elif kind in ("ENV", "ARG"):
+            if not args:
+                raise StepFailed(step, f"{kind} does not support passing no arguments")
             if len(args) % 2:
-                raise StepFailed(step, f"{kind} needs key/value pairs")
+                raise StepFailed(step, f"{kind} requires both a key and value arguments")
             ctx.env.update(dict(zip(args[0::2], args[1::2], strict=True)))
         elif kind == "WORKDIR":
             if not args:
-                raise StepFailed(step, "WORKDIR needs a path")
+                raise StepFailed(step, "WORKDIR requires a path argument")
             await self._run_cmd(envd, build_id, step, f"mkdir -p {shlex.quote(args[0])}",
-                                user="root", ctx=ctx, cwd="/")
+                                user="root", ctx=ctx, cwd="/", what="failed to create workdir")
             ctx.workdir = args[0]
         elif kind == "USER":
             if not args:
-                raise StepFailed(step, "USER needs a name")
+                raise StepFailed(step, "USER requires a username argument")
             name = shlex.quote(args[0])
             await self._run_cmd(
                 envd, build_id, step,
                 f"id -u {name} >/dev/null 2>&1 || useradd --create-home --shell /bin/bash {name}",
-                user="root", ctx=ctx, cwd="/")
+                user="root", ctx=ctx, cwd="/", what="failed to create user")
             ctx.user = ctx.default_user = args[0]
         elif kind == "COPY":
             await self._copy(envd, build_id, step, s, ctx)
         # EXPOSE, VOLUME, LABEL: metadata only.
 
     async def _run_cmd(self, envd: EnvdClient, build_id: str, step: str, cmd: str, *,
-                       user: str, ctx: BuildContext, cwd: str | None = None) -> None:
-        def out(_: str, text: str) -> None:
-            for line in text.splitlines():
-                self._log(build_id, line, step=step)
-
-        result = await envd.run(cmd, user=user, cwd=cwd or ctx.workdir, envs=ctx.env,
-                                timeout=3600, on_output=out)
+                       user: str, ctx: BuildContext, cwd: str | None = None,
+                       what: str | None = None) -> None:
+        """Run ``cmd``, its output into the build log; StepFailed in E2B's words when it
+        cannot run or exits non-zero (``what`` is the failure's subject, by default
+        ``failed to run command '<cmd>'``)."""
+        what = what or f"failed to run command '{cmd}'"
+        output = _Output(lambda line: self._log(build_id, line, step=step))
+        try:
+            result = await envd.run(cmd, user=user, cwd=cwd or ctx.workdir, envs=ctx.env,
+                                    timeout=3600, on_output=output.feed)
+        except EnvdError as e:
+            output.close()
+            raise StepFailed(step, step_failure(what, f"command failed: {e}", step,
+                                                output)) from None
+        output.close()
         if result.exit_code != 0:
-            raise StepFailed(step, f"command failed with exit code {result.exit_code}: {cmd}")
+            status = result.error or f"exit status {result.exit_code}"
+            raise StepFailed(step, step_failure(what, status, step, output))
 
     async def _copy(self, envd: EnvdClient, build_id: str, step: str, s: dict[str, Any],
                     ctx: BuildContext) -> None:
@@ -423,21 +583,28 @@ class Builder:
             raise StepFailed(step, str(e)) from None
         work = f"/tmp/aenv-copy-{build_id}-{step}"
         archive, unpack = f"{work}.tar", f"{work}/unpack"
-        await envd.upload(archive, self.file_path(s["filesHash"]), user="root")
+        try:
+            await envd.upload(archive, self.file_path(s["filesHash"]), user="root")
+        except EnvdError as e:
+            raise StepFailed(step, f"failed to copy layer tar data to sandbox: {e}") from None
         await self._run_cmd(envd, build_id, step, extract_command(archive, unpack),
-                            user="root", ctx=ctx, cwd="/")
+                            user="root", ctx=ctx, cwd="/", what="failed to extract files")
         script = copy_script(
             entry=posixpath.normpath(posixpath.join(unpack, base)), src=src, dest=dest,
             owner=copy_owner(owner, ctx.user), mode=mode, workdir=ctx.workdir, user=ctx.user,
             cleanup=work)
-        await self._run_cmd(envd, build_id, step, script, user="root", ctx=ctx, cwd="/")
+        await self._run_cmd(envd, build_id, step, script, user="root", ctx=ctx, cwd="/",
+                            what="failed to move files in sandbox")
 
     async def _start_and_wait(self, envd: EnvdClient, build_id: str, spec: dict[str, Any],
                               ctx: BuildContext) -> None:
         """Start ``startCmd`` in the background and poll ``readyCmd`` until it succeeds."""
         start, ready = spec["startCmd"], spec.get("readyCmd") or "sleep 1"
         self._log(build_id, f"start command: {start}", step="finalize")
-        await envd.start_background(start, user=ctx.user, cwd=ctx.workdir, envs=ctx.env)
+        try:
+            await envd.start_background(start, user=ctx.user, cwd=ctx.workdir, envs=ctx.env)
+        except EnvdError as e:
+            raise StepFailed("finalize", f"start command failed: {e}") from None
         deadline = time.monotonic() + READY_TIMEOUT_S
         while True:
             r = await envd.run(ready, user=ctx.user, cwd=ctx.workdir, envs=ctx.env, timeout=60)
@@ -445,5 +612,6 @@ class Builder:
                 self._log(build_id, "ready command succeeded", step="finalize")
                 return
             if time.monotonic() > deadline:
-                raise StepFailed("finalize", f"ready command did not succeed: {ready}")
+                raise StepFailed("finalize", f"ready command failed: {ready} did not succeed "
+                                             f"within {READY_TIMEOUT_S} s")
             await asyncio.sleep(READY_INTERVAL_S)

@@ -1,5 +1,6 @@
 """Template builds without a VM: COPY's semantics (the script a COPY step runs, executed
-here by bash on a temporary tree).
+here by bash on a temporary tree), the words a failed step reaches the SDK in, and the
+states of reservations that are refused, superseded or never started.
 
 The COPY script runs as root on this host against paths under ``tmp_path`` only; owners are
 the host's ``daemon`` (a user with a same-name group) and ``nobody:nogroup``.
@@ -12,11 +13,26 @@ import os
 import pwd
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from aenv.orchestrator.builds import copy_owner, copy_script, copy_source_base, extract_command
+from aenv.client.envd import CommandResult, EnvdError
+from aenv.orchestrator.builds import (
+    SUPERSEDED,
+    WAITED_TOO_LONG,
+    BuildContext,
+    Builder,
+    StepFailed,
+    copy_owner,
+    copy_script,
+    copy_source_base,
+    extract_command,
+)
+from aenv.orchestrator.errors import Conflict, InvalidRequest, TemplateNotFound
+from aenv.store import TemplateRecord, TemplateStore
+from aenv.store.db import Database
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root")
 
@@ -269,3 +285,178 @@ def test_the_archive_is_unpacked_and_removed(tmp_path) -> None:
     r = subprocess.run(["bash", "-c", extract_command(str(archive), str(unpack))],
                        capture_output=True, check=False)
     assert r.returncode != 0 and not unpack.exists()
+
+
+# -- how a failed step reads ----------------------------------------------------------------
+
+
+class FakeEnvd:
+    """``EnvdClient.run`` as far as ``Builder._run_cmd`` uses it."""
+
+    def __init__(self, chunks: list[tuple[str, str]] = (), exit_code: int = 0,
+                 error: Exception | None = None) -> None:
+        self.chunks, self.exit_code, self.error = list(chunks), exit_code, error
+        self.calls: list[dict] = []
+
+    async def run(self, cmd, *, user=None, cwd=None, envs=None, timeout=600, on_output=None):
+        self.calls.append({"cmd": cmd, "user": user, "cwd": cwd})
+        if self.error is not None:
+            raise self.error
+        for stream, text in self.chunks:
+            on_output(stream, text)
+        status = f"exit status {self.exit_code}"
+        return CommandResult(self.exit_code, "", "", status if self.exit_code else None)
+
+
+@pytest.fixture
+def builder(tmp_path) -> Builder:
+    return Builder(TemplateStore(Database(tmp_path / "aenv.db")), None, tmp_path / "files")
+
+
+@pytest.fixture
+def build_id(builder) -> str:
+    return builder.request("steps")[1].id
+
+
+def logged(builder: Builder, build_id: str) -> list[tuple[str | None, str]]:
+    return [(e["step"], e["message"]) for e in builder.templates.logs(build_id)]
+
+
+async def test_a_failing_run_says_e2bs_words_then_the_steps_last_output(builder, build_id) -> None:
+    envd = FakeEnvd([("stdout", "first li"), ("stdout", "ne\n\nsecond\n"),
+                     ("stderr", "boom\n")], exit_code=3)
+    with pytest.raises(StepFailed) as e:
+        await builder._step(envd, build_id, "2", {"type": "RUN", "args": ["make it"]},
+                            BuildContext())
+    assert str(e.value) == ("failed to run command 'make it': exit status 3\n"
+                            "step 2 output:\nfirst line\nsecond\nboom")
+    assert e.value.step == "2"
+    # A line split across chunks is one log line; blank lines are dropped.
+    assert logged(builder, build_id)[1:] == [("2", "first line"), ("2", "second"), ("2", "boom")]
+
+
+async def test_only_the_end_of_a_long_output_is_in_the_message(builder, build_id) -> None:
+    envd = FakeEnvd([("stdout", "".join(f"line {i}\n" for i in range(100)))], exit_code=1)
+    with pytest.raises(StepFailed) as e:
+        await builder._run_cmd(envd, build_id, "1", "noisy", user="root", ctx=BuildContext())
+    head, *lines = str(e.value).split("\n")
+    assert head == "failed to run command 'noisy': exit status 1"
+    assert lines[0] == "step 1 last 20 of 100 lines:"
+    assert lines[1:] == [f"line {i}" for i in range(80, 100)]
+
+
+async def test_a_command_without_output_fails_with_one_line(builder, build_id) -> None:
+    with pytest.raises(StepFailed, match=r"^failed to run command 'exit 7': exit status 7$"):
+        await builder._run_cmd(FakeEnvd(exit_code=7), build_id, "1", "exit 7", user="root",
+                               ctx=BuildContext())
+
+
+async def test_an_unknown_run_user_reads_as_e2bs_message(builder, build_id) -> None:
+    envd = FakeEnvd(error=EnvdError("invalid username: 'root123'", "unauthenticated"))
+    with pytest.raises(StepFailed) as e:
+        await builder._step(envd, build_id, "1", {"type": "RUN", "args": ["whoami", "root123"]},
+                            BuildContext())
+    assert str(e.value) == ("failed to run command 'whoami': command failed: "
+                            "unauthenticated: invalid username: 'root123'")
+    assert envd.calls[0]["user"] == "root123"
+
+
+# -- reservations never left waiting --------------------------------------------------------
+
+
+def ready_base(builder: Builder) -> None:
+    now = time.time()
+    builder.templates.insert(TemplateRecord(
+        id="base", kind="template", build_id="builtin", status="ready", cpu_count=1,
+        memory_mb=512, disk_size_mb=2048, created_at=now, updated_at=now, names=["base"]))
+
+
+def build_of(builder: Builder, build_id: str):
+    return builder.templates.get_build(build_id)
+
+
+def test_a_new_template_holds_its_name_from_the_request(builder) -> None:
+    tpl, _, _ = builder.request("fresh")
+    again, _, _ = builder.request("fresh:v2")
+    assert again.id == tpl.id
+    assert builder.templates.get("fresh").id == tpl.id
+    assert builder.templates.get(tpl.id).status == "waiting"
+
+
+@pytest.mark.parametrize(("spec", "step", "error", "match"), [
+    ({"fromImage": "ubuntu:22.04"}, "base", InvalidRequest, "fromImage"),
+    ({"fromTemplate": "no-such-parent"}, "base", TemplateNotFound, "no-such-parent"),
+    ({"steps": [{"type": "RUN", "args": ["x"]}, {"type": "BOGUS"}]}, "2", InvalidRequest,
+     "unknown type 'BOGUS'"),
+    ({"steps": [{"type": "COPY", "args": ["a", "b"], "filesHash": "ab" * 32}]}, "1",
+     InvalidRequest, "were not uploaded"),
+    ({"steps": [{"type": "COPY", "args": ["a", "b"], "filesHash": "../../etc"}]}, "1",
+     InvalidRequest, "invalid files hash"),
+])
+def test_a_refused_start_fails_its_build_and_template(builder, spec, step, error,
+                                                      match) -> None:
+    ready_base(builder)
+    tpl, build, _ = builder.request("refused")
+    with pytest.raises(error, match=match):
+        builder.start(tpl.id, build.id, spec)
+    b = build_of(builder, build.id)
+    assert (b.status, b.reason_step) == ("error", step) and match in b.reason
+    assert builder.templates.get(tpl.id).status == "error"
+    assert logged(builder, build.id)[-1] == (step, f"Build failed: {b.reason}")
+
+
+def test_a_refused_rebuild_leaves_a_ready_template_ready(builder) -> None:
+    ready_base(builder)
+    tpl, build, _ = builder.request("rebuilt")
+    builder.templates.update(tpl.id, status="ready", image="img")
+    with pytest.raises(InvalidRequest):
+        builder.start(tpl.id, build.id, {"fromImage": "x"})
+    assert build_of(builder, build.id).status == "error"
+    assert builder.templates.get(tpl.id).status == "ready"
+
+
+def test_starting_a_started_build_again_changes_nothing(builder) -> None:
+    tpl, build, _ = builder.request("twice")
+    builder.templates.update_build(build.id, status="building")
+    with pytest.raises(Conflict):
+        builder.start(tpl.id, build.id, {"fromImage": "x"})
+    assert build_of(builder, build.id).status == "building"
+
+
+def test_a_newer_reservation_for_the_same_tag_supersedes_an_unstarted_one(builder) -> None:
+    tpl, first, _ = builder.request("sup")
+    _, other_tag, _ = builder.request("sup:v2")
+    _, second, _ = builder.request("sup")
+    old = build_of(builder, first.id)
+    assert (old.status, old.reason) == ("error", SUPERSEDED)
+    assert build_of(builder, other_tag.id).status == "waiting"  # another tag: kept
+    assert build_of(builder, second.id).status == "waiting"
+    assert builder.templates.get(tpl.id).status == "waiting"
+
+
+def test_a_reservation_never_started_fails_after_the_deadline(builder) -> None:
+    tpl, build, _ = builder.request("late")
+    builder.expire_waiting(now=time.time() + builder.waiting_deadline - 5)
+    assert build_of(builder, build.id).status == "waiting"
+    builder.expire_waiting(now=time.time() + builder.waiting_deadline + 5)
+    b = build_of(builder, build.id)
+    assert (b.status, b.reason) == ("error", WAITED_TOO_LONG)
+    assert builder.templates.get(tpl.id).status == "error"
+
+
+async def test_recover_fails_interrupted_builds_and_sweeps_old_reservations(tmp_path) -> None:
+    builder = Builder(TemplateStore(Database(tmp_path / "aenv.db")), None, tmp_path / "f",
+                      waiting_deadline=0)
+    tpl, running, _ = builder.request("interrupted")
+    builder.templates.update_build(running.id, status="building")
+    _, stale, _ = builder.request("stale")
+    time.sleep(0.01)
+    builder.recover()
+    try:
+        assert build_of(builder, running.id).status == "error"
+        assert build_of(builder, stale.id).reason == WAITED_TOO_LONG
+        assert builder.templates.get(tpl.id).status == "error"
+        assert builder._sweeper is not None and not builder._sweeper.done()
+    finally:
+        await builder.close()
+    assert builder._sweeper is None
