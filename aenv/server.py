@@ -64,7 +64,8 @@ class Server:
             limits=self.options.limits, ttl_interval=self.options.ttl_interval,
         )
         self.builder = Builder(self.templates, machines, settings.cache_dir / "build-files",
-                               pins=self.orchestrator.pins)
+                               pins=self.orchestrator.pins,
+                               admission=self.orchestrator.admission)
         self.metrics = MetricsCollector(self.sandboxes, interval=self.options.metrics_interval)
         self.proxy = ProxyRouter(RouteTable(self._route))
         self.orchestrator.on_stop.append(self.proxy.forget)

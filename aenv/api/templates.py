@@ -13,7 +13,7 @@ for it is read, dropped and answered 200 (E2B overwrites through S3; aenv keeps 
 complete upload, and 200 rather than 409 because JS SDKs upload steps in parallel and two
 COPY steps can share a hash). The body must be a tar (400 otherwise). Whether it matches
 its ``filesHash`` is not checked here: that needs the COPY step's ``src`` and ``dest``,
-known once a build names them (``build_files.verify_files_hash``).
+known once a build names them (``build_archives.verify_files_hash``).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from pydantic import Field
 
 from ..orchestrator.builds import Builder
 from ..orchestrator.errors import TemplateNotFound
+from ..storage import build_archives
 from ..store import TemplateRecord, TemplateStore
-from . import build_files
 from .errors import ApiError
 from .models import _Body
 from .views import rfc3339
@@ -133,11 +133,11 @@ async def upload_files(request: Request, template_id: str, files_hash: str,
         raise TemplateNotFound(template_id)
     path = builder(request).file_path(files_hash)
     try:
-        await build_files.store_upload(request.stream(), path,
+        await build_archives.store_upload(request.stream(), path,
                                        limit=request.app.state.upload_limit)
-    except build_files.UploadTooLarge:
+    except build_archives.UploadTooLarge:
         raise ApiError(413, "upload too large") from None
-    except build_files.ArchiveError as e:
+    except build_archives.ArchiveError as e:
         raise ApiError(400, f"invalid COPY archive: {e}") from None
     return Response(status_code=200)
 

@@ -106,9 +106,11 @@ class Admission:
                 f"directory, {need} MiB needed (guest memory + reserve)")
 
     @contextlib.contextmanager
-    def reserve(self, cpus: int, memory_mb: int) -> Iterator[None]:
-        """Count a VM that no sandbox record holds (a build) while the block runs."""
-        self.check_start(Ask(cpus, memory_mb, cold=True))
+    def reserve(self, cpus: int, memory_mb: int, *, check: bool = True) -> Iterator[None]:
+        """Count a VM that no sandbox record holds (a build) while the block runs;
+        ``check`` False when the caller already checked (and answered) the request."""
+        if check:
+            self.check_start(Ask(cpus, memory_mb, cold=True))
         entry = (cpus, memory_mb)
         self._reserved.append(entry)
         try:

@@ -33,6 +33,7 @@ Docker's); existing ones keep their owner and mode.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import posixpath
 import re
@@ -45,8 +46,10 @@ from pathlib import Path
 from typing import Any
 
 from ..client.envd import ENVD_PORT, EnvdClient, EnvdError
+from ..storage import build_archives
 from ..store import BuildRecord, SandboxRecord, TemplateRecord, TemplateStore
-from .errors import Conflict, InvalidRequest, TemplateNotFound
+from .admission import Admission, Ask
+from .errors import Conflict, InvalidRequest, LimitReached, TemplateNotFound
 from .ids import new_id, new_layer_ref, new_snapshot_ref, new_token
 from .machine import Machines
 from .pins import Pins
@@ -277,7 +280,7 @@ def step_failure(what: str, status: str, step: str, output: _Output | None) -> s
 
 class Builder:
     def __init__(self, templates: TemplateStore, machines: Machines, files_dir: Path,
-                 pins: Pins | None = None, *,
+                 pins: Pins | None = None, *, admission: Admission | None = None,
                  waiting_deadline: float = WAITING_DEADLINE_S) -> None:
         self.templates = templates
         self.machines = machines
@@ -285,6 +288,8 @@ class Builder:
         # Shared with the orchestrator's garbage collection: the parent's image is read for
         # the whole build, the new image is written before the template names it.
         self.pins = pins or Pins()
+        # Shared with the orchestrator: a build VM counts against the node's budgets.
+        self.admission = admission
         self.waiting_deadline = waiting_deadline
         self._tasks: dict[str, asyncio.Task] = {}
         self._sweeper: asyncio.Task | None = None
@@ -370,6 +375,11 @@ class Builder:
                 if not present:
                     raise refuse(str(i), InvalidRequest(
                         f"step {i}: files for hash '{h}' were not uploaded"))
+        if self.admission is not None:
+            try:
+                self.admission.check_start(Ask(tpl.cpu_count, tpl.memory_mb))
+            except LimitReached as e:
+                raise refuse("base", e) from None
         names = (build.spec or {}).get("names", [])
         self.templates.update_build(build_id, status="building", spec={**spec, "names": names})
         self._settle(template_id)
@@ -445,7 +455,10 @@ class Builder:
     async def _run(self, template_id: str, build_id: str, parent: TemplateRecord,
                    spec: dict[str, Any], names: list[str]) -> None:
         image = new_snapshot_ref() if self.machines.can_pause else new_layer_ref()
-        with self.pins.hold(parent.image, image):
+        tpl = self.templates.get(template_id)
+        held = self.admission.reserve(tpl.cpu_count, tpl.memory_mb, check=False) \
+            if self.admission is not None and tpl is not None else contextlib.nullcontext()
+        with self.pins.hold(parent.image, image), held:
             await self._build(template_id, build_id, parent, spec, names, image)
 
     async def _build(self, template_id: str, build_id: str, parent: TemplateRecord,
@@ -583,8 +596,17 @@ class Builder:
             raise StepFailed(step, str(e)) from None
         work = f"/tmp/aenv-copy-{build_id}-{step}"
         archive, unpack = f"{work}.tar", f"{work}/unpack"
+        local = self.file_path(s["filesHash"])
         try:
-            await envd.upload(archive, self.file_path(s["filesHash"]), user="root")
+            verdict = await build_archives.check_before_copy(local, src=src, dest=dest,
+                                                             files_hash=s["filesHash"])
+        except build_archives.FilesHashMismatch as e:
+            raise StepFailed(step, str(e)) from None
+        if verdict is build_archives.HashCheck.UNVERIFIABLE:
+            self._log(build_id, "the COPY files could not be checked against their filesHash "
+                      "(an archive with directories from the JS SDK)", step=step, level="warn")
+        try:
+            await envd.upload(archive, local, user="root")
         except EnvdError as e:
             raise StepFailed(step, f"failed to copy layer tar data to sandbox: {e}") from None
         await self._run_cmd(envd, build_id, step, extract_command(archive, unpack),

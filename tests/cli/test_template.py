@@ -42,7 +42,7 @@ def test_build_failure_exits_non_zero_with_the_reason(aenv: Aenv) -> None:
     assert result.exit_code == 1
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: build of") and "at step 2" in last
-    assert "exit code 4" in last
+    assert "exit status 4" in last
     assert "about to fail" in result.stderr
 
 

@@ -47,7 +47,7 @@ def test_a_failing_step_fails_the_build_with_its_reason(sdk) -> None:
     from e2b.exceptions import BuildException
 
     template = Template().from_template("base").run_cmd("exit 7")
-    with pytest.raises(BuildException, match="exit code 7"):
+    with pytest.raises(BuildException, match="exit status 7"):
         Template.build(template, f"e2e-fail-{uuid.uuid4().hex[:8]}")
 
 

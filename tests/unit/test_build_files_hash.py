@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from e2b.template.utils import calculate_files_hash, tar_file_stream
 
-from aenv.api.build_files import ArchiveError, HashCheck, verify_files_hash
 from aenv.client import build_files as cli_files
+from aenv.storage.build_archives import ArchiveError, HashCheck, verify_files_hash
 
 DEST = "/app/"
 
@@ -186,7 +186,7 @@ def test_something_that_is_not_a_tar_is_an_archive_error(tmp_path) -> None:
 
 
 async def test_check_before_copy_discards_a_mismatching_archive(context, tmp_path) -> None:
-    from aenv.api.build_files import FilesHashMismatch, check_before_copy
+    from aenv.storage.build_archives import FilesHashMismatch, check_before_copy
 
     archive, h = sdk_upload(context, tmp_path, "a.txt")
     assert await check_before_copy(archive, src="a.txt", dest=DEST,
@@ -197,7 +197,7 @@ async def test_check_before_copy_discards_a_mismatching_archive(context, tmp_pat
 
 
 async def test_check_before_copy_keeps_an_unverifiable_archive(context, tmp_path) -> None:
-    from aenv.api.build_files import check_before_copy
+    from aenv.storage.build_archives import check_before_copy
 
     archive, _ = sdk_upload(context, tmp_path, "app")
     assert await check_before_copy(archive, src="app", dest=DEST,
@@ -206,7 +206,7 @@ async def test_check_before_copy_keeps_an_unverifiable_archive(context, tmp_path
 
 
 async def test_check_before_copy_discards_an_unreadable_archive(tmp_path) -> None:
-    from aenv.api.build_files import FilesHashMismatch, check_before_copy
+    from aenv.storage.build_archives import FilesHashMismatch, check_before_copy
 
     junk = tmp_path / "junk.tar"
     junk.write_bytes(b"junk" * 1000)

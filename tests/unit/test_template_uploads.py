@@ -236,7 +236,7 @@ def test_the_sdks_own_upload_lands_and_matches_its_files_hash(tmp_path, monkeypa
     from e2b import Template
     from e2b.exceptions import BuildException
 
-    from aenv.api.build_files import HashCheck, verify_files_hash
+    from aenv.storage.build_archives import HashCheck, verify_files_hash
 
     ctx = tmp_path / "ctx"
     (ctx / "app").mkdir(parents=True)
@@ -284,7 +284,7 @@ def test_the_js_sdks_uploads_land_and_are_checked_as_far_as_they_can_be(tmp_path
     import shutil
     import threading
 
-    from aenv.api.build_files import HashCheck, verify_files_hash
+    from aenv.storage.build_archives import HashCheck, verify_files_hash
     from tests.conftest import ROOT, run_json_script
 
     if shutil.which("node") is None or not (ROOT / "tests/js/node_modules/e2b").is_dir():
