@@ -89,3 +89,17 @@ class NetworkUpdate(_Body):
     rules: dict[str, Any] | None = None
     egressProxy: dict[str, Any] | None = None
     dnsServers: list[str] | None = None
+
+
+class AssignTemplateTags(_Body):
+    """``POST /templates/tags``: point ``tags`` at the build ``target`` (``name:tag``) names."""
+
+    target: str
+    tags: list[str]
+
+
+class DeleteTemplateTags(_Body):
+    """``DELETE /templates/tags`` (a JSON body on a DELETE): remove ``tags`` from ``name``."""
+
+    name: str
+    tags: list[str]

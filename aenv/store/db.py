@@ -110,6 +110,35 @@ _MIGRATIONS: list[str] = [
     ALTER TABLE sandboxes ADD COLUMN restored_from TEXT;
     ALTER TABLE templates ADD COLUMN envd_token TEXT;
     """,
+    # 3: template tags (E2B's tag assignments). A tag names one build of its template;
+    # a build keeps what the template was when it became ready (``outcome``), so a tag can
+    # go on naming it after a newer build. ``tags`` are what a build gets once ready.
+    # Names with a tag (``x:t`` beside ``x``) were how tags were kept: each becomes a tag
+    # of its template's current build, and stops being a name.
+    """
+    ALTER TABLE builds ADD COLUMN tags TEXT;
+    ALTER TABLE builds ADD COLUMN outcome TEXT;
+    CREATE TABLE template_tags (
+        template_id     TEXT NOT NULL REFERENCES templates(id) ON DELETE CASCADE,
+        tag             TEXT NOT NULL,
+        build_id        TEXT NOT NULL,
+        created_at      REAL NOT NULL,
+        PRIMARY KEY (template_id, tag)
+    );
+    CREATE TEMP TABLE tag_names AS
+        SELECT n.name AS name, n.template_id AS template_id,
+               lower(substr(n.name, instr(n.name, ':') + 1)) AS tag,
+               t.build_id AS build_id, t.updated_at AS created_at
+        FROM template_names n JOIN templates t ON t.id = n.template_id
+        WHERE t.kind = 'template' AND t.status = 'ready' AND instr(n.name, ':') > 1
+          AND (substr(n.name, 1, instr(n.name, ':') - 1) = t.id
+               OR substr(n.name, 1, instr(n.name, ':') - 1) IN
+                  (SELECT name FROM template_names WHERE template_id = t.id));
+    INSERT OR IGNORE INTO template_tags (template_id, tag, build_id, created_at)
+        SELECT template_id, tag, build_id, created_at FROM tag_names WHERE tag != '';
+    DELETE FROM template_names WHERE name IN (SELECT name FROM tag_names);
+    DROP TABLE tag_names;
+    """,
 ]
 
 

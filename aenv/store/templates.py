@@ -13,10 +13,24 @@ polls with ``logsOffset`` = the number of entries it has received: a rolling tai
 dropped lines already numbered would make a client that fell behind read lines twice or
 loop. Held lines live in ``build_logs`` with a negative ``seq`` (``_HELD + n``), which no
 offset reaches.
+
+Tags (E2B's ``name:tag``): a tag names one build of its template, and a reference to a
+template is resolved to a build by ``get``: ``x:t`` is the build tag ``t`` names (or the
+build whose id is ``t``), and ``x`` alone, like the template's id, means ``x:default``.
+A template on which no build carries ``default`` (the built-in ``base``, snapshots, one
+built only as ``x:v1``) has an implicit one: its latest build. A build's tags (``
+set_build_tags``, else the tags of its spec's names) move to it when it is marked ready,
+so a rebuild takes over the tags it was built with and the others keep their builds; and
+what the template record then says (image, start command, env...) is kept as the build's
+outcome: that is what a tag naming an older build resolves to. This relies on the
+builder naming the build in the template record (``update(build_id=...)``) before it
+marks the build ready. A name with a tag (``x:t`` where ``x`` is the same template) is a
+tag, not a name: ``add_name`` leaves it to the tags. Deleting a template deletes its tags.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -27,6 +41,19 @@ from .records import BuildRecord, TemplateRecord, encode_changes, from_row, to_c
 _HELD = -(1 << 62)  # seq of the first held-back line; the n-th is _HELD + n
 _ENDED = ("ready", "error")
 _BYTES = "length(CAST(message AS BLOB))"
+DEFAULT_TAG = "default"
+# What a build decides about its template: kept per build, what an older tag resolves to.
+_OUTCOME = ("build_id", "image", "parent_id", "env_vars", "workdir", "user", "start_cmd",
+            "ready_cmd", "envd_token")
+
+
+@dataclass(frozen=True)
+class TemplateTag:
+    """One tag of a template: the build it names, since when."""
+
+    tag: str
+    build_id: str
+    created_at: float
 
 
 @dataclass(frozen=True)
@@ -86,11 +113,16 @@ class TemplateStore:
                 f"INSERT INTO templates ({','.join(cols)}) VALUES ({','.join('?' * len(cols))})",
                 tuple(cols.values()),
             )
-            for name in rec.names:
-                self._claim_name(c, name, rec.id)
+            for name in sorted(rec.names, key=lambda n: ":" in n):  # names before tags
+                self._claim_name(c, name, rec.id, rec.kind)
         return rec
 
-    def _claim_name(self, c, name: str, template_id: str) -> None:
+    def _claim_name(self, c, name: str, template_id: str, kind: str | None) -> None:
+        base, sep, _ = name.partition(":")
+        if sep and base and kind == "template" and (base == template_id or c.execute(
+                "SELECT 1 FROM template_names WHERE name = ? AND template_id = ?",
+                (base, template_id)).fetchone()):
+            return  # a tag of this template: its builds carry it (template_tags)
         row = c.execute("SELECT template_id FROM template_names WHERE name = ?", (name,)).fetchone()
         if row and row[0] != template_id:
             raise NameTaken(name, row[0])
@@ -99,10 +131,25 @@ class TemplateStore:
 
     def add_name(self, template_id: str, name: str) -> None:
         with self.db.write() as c:
-            self._claim_name(c, name, template_id)
+            kind = c.execute("SELECT kind FROM templates WHERE id = ?", (template_id,)).fetchone()
+            self._claim_name(c, name, template_id, kind[0] if kind else None)
 
-    def get(self, id_or_name: str) -> TemplateRecord | None:
-        """By id, else by name (alias)."""
+    def get(self, ref: str) -> TemplateRecord | None:
+        """What ``ref`` names: an id or a name (alias), either with an optional ``:tag``,
+        as of the build it resolves to (the module docstring says which). A template whose
+        first build is not ready yet is returned as it is (its ``status`` says so)."""
+        row = self._row(ref)
+        if row is not None:
+            rec = self._with_names(row)
+            # A name holding a ':' is a snapshot's (``<id>:default``): no tags there.
+            return rec if ":" in ref else self._at_tag(rec, DEFAULT_TAG)
+        base, sep, tag = ref.partition(":")
+        if not (sep and base):
+            return None
+        row = self._row(base)
+        return self._at_tag(self._with_names(row), tag) if row is not None else None
+
+    def _row(self, id_or_name: str):
         rows = self.db.query("SELECT * FROM templates WHERE id = ?", (id_or_name,))
         if not rows:
             rows = self.db.query(
@@ -110,11 +157,37 @@ class TemplateStore:
                 "WHERE n.name = ?",
                 (id_or_name,),
             )
-        return self._with_names(rows[0]) if rows else None
+        return rows[0] if rows else None
 
     def template_id_for_name(self, name: str) -> str | None:
         rows = self.db.query("SELECT template_id FROM template_names WHERE name = ?", (name,))
         return rows[0][0] if rows else None
+
+    def _at_tag(self, rec: TemplateRecord, tag: str) -> TemplateRecord | None:
+        found = self._build_for(rec, tag)
+        if found is None:
+            return rec if tag.strip().lower() == DEFAULT_TAG else None
+        _, outcome = found
+        return rec if outcome is None else replace(rec, **outcome)
+
+    def _build_for(self, rec: TemplateRecord, tag: str
+                   ) -> tuple[str, dict[str, Any] | None] | None:
+        """The build ``tag`` (or a build id) names on ``rec``, with its outcome (None when
+        it is the template's current build); None when it names none that is ready."""
+        key = tag.strip().lower()
+        rows = self.db.query("SELECT build_id FROM template_tags WHERE template_id = ? "
+                             "AND tag = ?", (rec.id, key))
+        build_id = rows[0][0] if rows else rec.build_id if key == DEFAULT_TAG else tag
+        if build_id and build_id == rec.build_id:
+            return build_id, None
+        rows = self.db.query("SELECT outcome FROM builds WHERE id = ? AND template_id = ? "
+                             "AND status = 'ready' AND outcome IS NOT NULL",
+                             (build_id, rec.id))
+        if rows:
+            return build_id, json.loads(rows[0][0])
+        if key == DEFAULT_TAG and rec.build_id:
+            return rec.build_id, None  # its build is gone: the implicit default
+        return None
 
     def _with_names(self, row) -> TemplateRecord:
         names = [r[0] for r in self.db.query(
@@ -177,8 +250,92 @@ class TemplateStore:
                 self._show_held(c, build_id)
             c.execute(f"UPDATE builds SET {','.join(f'{k} = ?' for k in cols)} WHERE id = ?",
                       (*cols.values(), build_id))
+            if changes.get("status") == "ready":
+                self._tag_ready_build(c, build_id)
         if changes.get("status") in _ENDED:
             self._tallies.pop(build_id, None)
+
+    def set_build_tags(self, build_id: str, tags: list[str]) -> None:
+        """The tags ``build_id`` takes over once it is ready (else those of its spec's
+        names, as the builder writes them: ``x:t`` → ``t``)."""
+        with self.db.write() as c:
+            c.execute("UPDATE builds SET tags = ? WHERE id = ?", (json.dumps(tags), build_id))
+
+    def rekey_build(self, build_id: str, new_id: str) -> bool:
+        """Give a build nobody has started (no logs, no tags yet) another id."""
+        with self.db.write() as c:
+            return c.execute("UPDATE builds SET id = ? WHERE id = ? AND status = 'waiting'",
+                             (new_id, build_id)).rowcount == 1
+
+    def _tag_ready_build(self, c, build_id: str) -> None:
+        """Keep the build's outcome (what the template record says, when it names this
+        build) and move the build's tags to it."""
+        b = c.execute("SELECT template_id, spec, tags FROM builds WHERE id = ?",
+                      (build_id,)).fetchone()
+        t = b and c.execute("SELECT * FROM templates WHERE id = ?", (b["template_id"],)
+                            ).fetchone()
+        if not t:
+            return
+        if t["build_id"] == build_id:
+            rec = from_row(TemplateRecord, t)
+            c.execute("UPDATE builds SET outcome = ? WHERE id = ?",
+                      (json.dumps({f: getattr(rec, f) for f in _OUTCOME}), build_id))
+        if b["tags"] is not None:
+            tags = json.loads(b["tags"])
+        else:
+            names = (json.loads(b["spec"]) if b["spec"] else {}).get("names", [])
+            tags = [n.partition(":")[2].lower() for n in names if ":" in n] or [DEFAULT_TAG]
+        self._put_tags(c, b["template_id"], build_id, tags)
+
+    @staticmethod
+    def _put_tags(c, template_id: str, build_id: str, tags: list[str]) -> None:
+        now = time.time()
+        c.executemany(
+            "INSERT INTO template_tags (template_id, tag, build_id, created_at) "
+            "VALUES (?, ?, ?, ?) ON CONFLICT (template_id, tag) DO UPDATE SET "
+            "build_id = excluded.build_id, created_at = excluded.created_at",
+            [(template_id, tag, build_id, now) for tag in tags])
+
+    # -- tags -----------------------------------------------------------------------------
+
+    def tags(self, template_id: str) -> list[TemplateTag]:
+        """The template's tags by name; ``default`` is listed even when implicit."""
+        out = [TemplateTag(r[0], r[1], r[2]) for r in self.db.query(
+            "SELECT tag, build_id, created_at FROM template_tags WHERE template_id = ? "
+            "ORDER BY tag", (template_id,))]
+        if all(t.tag != DEFAULT_TAG for t in out):
+            rows = self.db.query(
+                "SELECT t.build_id, COALESCE(b.finished_at, t.created_at) FROM templates t "
+                "LEFT JOIN builds b ON b.id = t.build_id "
+                "WHERE t.id = ? AND t.status = 'ready' AND t.build_id != ''", (template_id,))
+            if rows:
+                out.append(TemplateTag(DEFAULT_TAG, rows[0][0], rows[0][1]))
+                out.sort(key=lambda t: t.tag)
+        return out
+
+    def tag_build(self, template_id: str, tag: str) -> str | None:
+        """The id of the ready build ``tag`` (or a build id) names on the template, if any."""
+        rows = self.db.query("SELECT * FROM templates WHERE id = ?", (template_id,))
+        found = self._build_for(self._with_names(rows[0]), tag) if rows else None
+        return found[0] if found else None
+
+    def assign_tags(self, template_id: str, build_id: str, tags: list[str]) -> None:
+        """Point ``tags`` at ``build_id`` (from ``tag_build``), wherever they pointed."""
+        with self.db.write() as c:
+            self._put_tags(c, template_id, build_id, tags)
+
+    def remove_tags(self, template_id: str, tags: list[str]) -> None:
+        with self.db.write() as c:
+            c.executemany("DELETE FROM template_tags WHERE template_id = ? AND tag = ?",
+                          [(template_id, t) for t in tags])
+
+    def tagged_images(self) -> set[str]:
+        """Images of older builds that a tag still names (the current ones are in the
+        template records): garbage collection must keep them."""
+        return {r[0] for r in self.db.query(
+            "SELECT DISTINCT json_extract(b.outcome, '$.image') FROM template_tags g "
+            "JOIN builds b ON b.id = g.build_id AND b.template_id = g.template_id "
+            "WHERE b.outcome IS NOT NULL") if r[0]}
 
     # -- build logs -----------------------------------------------------------------------
 
