@@ -175,12 +175,6 @@ async def request_build(request: Request, body: TemplateRequest) -> Response:
     tpl, build, _ = builder(request).request(
         f"{base}:{tags[0]}", tags=tags[1:], cpu_count=body.cpuCount, memory_mb=body.memoryMB)
     build_id = build.id
-    if not _is_uuid(build_id):
-        # The SDK parses build ids in tag answers as UUIDs; until the builder makes them
-        # so, the reservation it just made (not started, nothing names it) is re-keyed.
-        new_id = str(uuid.uuid4())
-        if store(request).rekey_build(build_id, new_id):
-            build_id = new_id
     store(request).set_build_tags(build_id, tags)
     names = [n for n in tpl.names if ":" not in n] or [base]
     return JSONResponse({"templateID": tpl.id, "buildID": build_id, "public": False,

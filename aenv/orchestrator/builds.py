@@ -39,6 +39,7 @@ import posixpath
 import re
 import shlex
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -329,8 +330,9 @@ class Builder:
             old_tags = set((old.spec or {}).get("names", [])[1:])
             if old.template_id == tpl.id and old_tags & set(names[1:]):
                 self._fail(old.id, tpl.id, None, SUPERSEDED)
-        build = BuildRecord(id=new_id(), template_id=tpl.id, status="waiting", created_at=now,
-                            spec={"names": names})
+        # A UUID, as E2B's: the SDK parses build ids in tag answers as UUIDs.
+        build = BuildRecord(id=str(uuid.uuid4()), template_id=tpl.id, status="waiting",
+                            created_at=now, spec={"names": names})
         self.templates.insert_build(build)
         self._settle(tpl.id)
         return self.templates.get(tpl.id) or tpl, build, tags

@@ -392,6 +392,7 @@ class Orchestrator:
         """Every snapshot or layer reference something still uses: what the records name,
         and what operations in flight have pinned."""
         roots = {t.image for t in self.templates.list() if t.image}
+        roots |= self.templates.tagged_images()  # older builds a tag still names
         for r in self.sandboxes.live():
             roots.update(x for x in (r.snapshot_id, r.restored_from) if x)
         return roots | self.pins.held()

@@ -261,12 +261,6 @@ class TemplateStore:
         with self.db.write() as c:
             c.execute("UPDATE builds SET tags = ? WHERE id = ?", (json.dumps(tags), build_id))
 
-    def rekey_build(self, build_id: str, new_id: str) -> bool:
-        """Give a build nobody has started (no logs, no tags yet) another id."""
-        with self.db.write() as c:
-            return c.execute("UPDATE builds SET id = ? WHERE id = ? AND status = 'waiting'",
-                             (new_id, build_id)).rowcount == 1
-
     def _tag_ready_build(self, c, build_id: str) -> None:
         """Keep the build's outcome (what the template record says, when it names this
         build) and move the build's tags to it."""

@@ -151,9 +151,6 @@ def test_a_rebuild_takes_its_tags_and_the_others_keep_the_older_build(e2b: Built
     assert content(e2b.name) == "rebuilt\n"
 
 
-@pytest.mark.xfail(strict=True, reason="Orchestrator.gc_roots (orchestrator/service.py) does "
-                   "not take TemplateStore.tagged_images() yet: the older build's image is "
-                   "collected at the first kill after the rebuild")
 def test_an_older_tagged_build_outlives_garbage_collection(e2b: Built) -> None:
     assert {t.tag: t.build_id for t in Template.get_tags(e2b.name)}["v1"] == e2b.build_id
     assert content(f"{e2b.name}:v1") == "built-with-tags\n"

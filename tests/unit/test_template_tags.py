@@ -284,8 +284,6 @@ async def test_an_older_build_is_kept_only_while_a_tag_names_it(api) -> None:
     assert old not in world.orchestrator.templates.tagged_images()
 
 
-@pytest.mark.xfail(strict=True, reason="Orchestrator.gc_roots (orchestrator/service.py) does "
-                   "not take TemplateStore.tagged_images() yet")
 async def test_garbage_collection_keeps_the_image_of_an_older_tagged_build(api) -> None:
     world, c = api
     await build(c, "app", ["v1", "default"], marker="1")
