@@ -9,9 +9,10 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Request, Response
 from fastapi.responses import JSONResponse
 
-from ..orchestrator.errors import OrchestratorError, TemplateNotFound
+from ..orchestrator.errors import TemplateNotFound
 from ..store import TemplateRecord
 from . import listing, views
+from .errors import public_error
 from .models import ForkRequest, SnapshotRequest
 
 router = APIRouter()
@@ -63,8 +64,8 @@ async def fork(request: Request, sandbox_id: str,
     out = []
     for r in results:
         if isinstance(r, Exception):
-            status = r.status if isinstance(r, OrchestratorError) else 500
-            out.append({"error": {"code": status, "message": str(r)}})
+            code, message = public_error(r)  # never a host path or a VMM log
+            out.append({"error": {"code": code, "message": message}})
         else:
             out.append({"sandbox": views.sandbox(r, domain)})
     return views.timed_json(out, 201, timings)

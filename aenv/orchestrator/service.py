@@ -236,6 +236,10 @@ class Orchestrator:
     async def snapshot(self, sandbox_id: str, name: str | None = None) -> TemplateRecord:
         """A persistent snapshot of a running sandbox, kept as a template of kind
         ``snapshot``; the source keeps running."""
+        taken = self.templates.get(name) if name else None
+        if taken is not None:
+            # Refused before the capture, which would otherwise be left for collection.
+            raise Conflict(f"name '{name}' is already used by template {taken.id}")
         ref = new_snapshot_ref()
         with self.pins.hold(ref):
             async with self._lock(sandbox_id):

@@ -213,8 +213,6 @@ def test_public_error_is_what_an_answer_would_carry() -> None:
         409, "sandbox 'x' is paused")
 
 
-@pytest.mark.xfail(strict=True, reason="reported: aenv/api/snapshots.py fork() puts str(r) of "
-                   "a failed child in its 201 body; errors.public_error(r) is the fix")
 async def test_a_fork_whose_children_fail_does_not_show_the_vmm_log(api) -> None:
     """Found by the fuzz."""
     world, c = api

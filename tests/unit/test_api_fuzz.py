@@ -62,11 +62,7 @@ ANSWER_S = 10.0
 SECRET = "/var/lib/aenv/secret-home"  # in every host fault's text; must never reach a client
 # Breaks found and reported to the owner of the route, not fixed here: printed, not failed.
 # Each has a strict xfail test that names the fix, so the entry goes when that passes.
-KNOWN_BREAKS = {
-    # aenv/api/snapshots.py puts str(child error) in the 201 body (test_api_errors.py:
-    # test_a_fork_whose_children_fail_does_not_show_the_vmm_log).
-    ("POST /sandboxes/{sandbox_id}/fork", 201, "the answer carries a host error's text"),
-}
+KNOWN_BREAKS: set[tuple[str, int, str]] = set()
 # What the failing host raises, in turn.
 HOST_FAULTS: tuple[Callable[[], Exception], ...] = (
     lambda: SnapshotError(SECRET, vmm_log_tail=SECRET),

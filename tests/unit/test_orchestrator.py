@@ -392,3 +392,12 @@ async def test_update_network_replaces_egress_but_keeps_create_only_options(worl
     await orch.pause(rec.id)
     with pytest.raises(Conflict):
         await orch.update_network(rec.id, {}, None)
+
+
+async def test_a_taken_snapshot_name_is_refused_before_the_capture(world) -> None:
+    orch, m = world
+    src = await orch.create(CreateOptions(template="base"))
+    await orch.snapshot(src.id, "taken")
+    with pytest.raises(Conflict, match="taken"):
+        await orch.snapshot(src.id, "taken")
+    assert m.snapshots == [src.id]  # one capture, not two
