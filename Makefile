@@ -1,5 +1,5 @@
 # The README's two commands: `make run` and `make test`. Both set up what is missing first.
-.PHONY: setup run test proto lint clean
+.PHONY: setup run test proto lint clean e2b-suite
 
 VENV := .venv
 
@@ -11,6 +11,12 @@ run: setup
 
 test: setup
 	@$(VENV)/bin/pytest
+
+# E2B's own SDK test suites, from a checkout of e2b-dev/E2B, against a fresh aenv server
+# (docs/e2b-suite.md). E2B_SUITE_ARGS e.g. "--python-only -k create" for a quick check.
+e2b-suite: setup
+	@test -n "$(E2B_SRC)" || { echo "usage: make e2b-suite E2B_SRC=DIR [E2B_SUITE_ARGS=...]" >&2; exit 2; }
+	@$(VENV)/bin/python scripts/e2b_suite.py --e2b-src "$(E2B_SRC)" $(E2B_SUITE_ARGS)
 
 # Regenerate envd's protobuf messages (needs protobuf-compiler, libprotobuf-dev, protoc-gen-py).
 proto:
