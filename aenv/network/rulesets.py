@@ -6,11 +6,15 @@ twice, or over a leftover of a crash, gives the same state. The slot table is lo
 into a namespace that was just created: it is a plain definition, because the delete in the
 replace idiom costs about 10 ms of kernel synchronisation on every slot creation.
 
-Host table ``inet <prefix>``: input from any slot veth is dropped unless it is a reply
-(the guest cannot reach host services); forwarding between two slot veths is dropped
-(sandboxes cannot reach each other); forwarding into a slot veth is allowed only for replies
-(nothing but the host itself opens connections to a sandbox); guest egress leaving through
-any other interface is masqueraded.
+Host table ``inet <prefix>``: in prerouting, before any DNAT of the host's (Docker's
+published ports, kube-proxy's node ports) can turn it into forwarded traffic, a new packet
+from a slot veth to any address of the host itself (``fib daddr type local``: every
+address of every interface, whenever it was added; broadcast and multicast too) is
+refused, and so is anything but IPv4; input from any slot veth is dropped unless it is a
+reply (the guest cannot reach host services); forwarding between two slot veths is
+dropped (sandboxes cannot reach each other); forwarding into a slot veth is allowed only
+for replies (nothing but the host itself opens connections to a sandbox); guest egress
+leaving through any other interface is masqueraded.
 
 Slot table ``inet <prefix>`` inside the namespace: the host address is DNAT-ed to the guest,
 the guest's egress is SNAT-ed to the host address (so the host routes replies back by its
@@ -47,6 +51,12 @@ def _replace(family: str, table: str, body: str) -> str:
 def host_table(a: Addressing) -> str:
     veths = f'"{a.veth_glob}"'
     return _replace("inet", a.table, f"""\
+    chain prerouting {{
+        type filter hook prerouting priority mangle - 10; policy accept;
+        iifname {veths} meta nfproto != ipv4 drop
+        iifname {veths} ct state established,related accept
+        iifname {veths} fib daddr type {{ local, broadcast, multicast }} {_REJECT}
+    }}
     chain input {{
         type filter hook input priority filter - 10; policy accept;
         iifname {veths} ct state established,related accept

@@ -42,6 +42,14 @@ INET_HOST_IP = f"198.51.100.{4 * (_K % 60) + 1}"
 INET_PEER_IP = f"198.51.100.{4 * (_K % 60) + 2}"
 INET_PRIVATE_NET = f"192.168.{200 + _K % 50}.0/24"
 INET_PRIVATE_IP = f"192.168.{200 + _K % 50}.1"
+# Stands for one of the host's own public addresses (TEST-NET-3, on a dummy link).
+HOST_PUBLIC_IP = f"203.0.113.{_K + 1}"
+# aenv inside a container: the container's address, its gateway (the outer host's bridge
+# address) and the outer host's other addresses; all inside namespaces of the test.
+CTR_IP = f"172.31.{_K}.2"
+CTR_GATEWAY_IP = f"172.31.{_K}.1"
+OUTER_PUBLIC_IP = f"203.0.113.{_K + 101}"
+METADATA_IP = "169.254.169.254"
 
 _TUNSETIFF = 0x400454CA
 _IFF_TAP = 0x0002
@@ -59,10 +67,14 @@ def make_settings(tmp: Path, **overrides: object) -> Settings:
 # -- sockets in namespaces ---------------------------------------------------------------
 
 
-def ns_socket(netns: str | None, kind: int = socket.SOCK_STREAM) -> socket.socket:
-    """A socket living in ``netns`` (None: the host)."""
+def ns_socket(netns: str | None, kind: int = socket.SOCK_STREAM,
+              mark: int | None = None) -> socket.socket:
+    """A socket living in ``netns`` (None: the host), with ``SO_MARK`` ``mark`` if given."""
     def make() -> socket.socket:
-        return socket.socket(socket.AF_INET, kind)
+        s = socket.socket(socket.AF_INET, kind)
+        if mark is not None:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, mark)
+        return s
 
     return make() if netns is None else ns.run_in(netns, make)
 
@@ -98,9 +110,10 @@ class Listener:
         self._thread.join(2)
 
 
-def connect(netns: str | None, ip: str, port: int, timeout: float = 3.0) -> str:
+def connect(netns: str | None, ip: str, port: int, timeout: float = 3.0,
+            mark: int | None = None) -> str:
     """Connect from ``netns`` and return the listener's answer; raises OSError if blocked."""
-    s = ns_socket(netns)
+    s = ns_socket(netns, mark=mark)
     s.settimeout(timeout)
     try:
         s.connect((ip, port))
@@ -115,9 +128,10 @@ def connect(netns: str | None, ip: str, port: int, timeout: float = 3.0) -> str:
         s.close()
 
 
-def blocked(netns: str | None, ip: str, port: int, timeout: float = 1.0) -> bool:
+def blocked(netns: str | None, ip: str, port: int, timeout: float = 1.0,
+            mark: int | None = None) -> bool:
     try:
-        connect(netns, ip, port, timeout)
+        connect(netns, ip, port, timeout, mark)
     except OSError:
         return True
     return False
@@ -252,3 +266,98 @@ class FakeInternet:
         self._remove()
 
 
+# -- the host's own addresses, and aenv inside a container -------------------------------
+
+
+class DummyAddress:
+    """``ip`` on a link of its own in the host namespace (one of "the host's own addresses",
+    added after aenv started), with a listener on it; removed by ``close``. The link is a
+    veth pair with both ends on the host (the kernel here has no dummy links)."""
+
+    link = f"{HELPER}d"
+
+    def __init__(self, ip: str = HOST_PUBLIC_IP) -> None:
+        self.ip = ip
+        with IPRoute() as ipr:
+            ipr.link("add", ifname=self.link, kind="veth", peer=f"{HELPER}e")
+            try:
+                idx = ipr.link_lookup(ifname=self.link)[0]
+                ipr.addr("add", index=idx, address=ip, prefixlen=32)
+                ipr.link("set", index=idx, state="up")
+                self.listener = Listener(None, ip, 0, "host")
+            except BaseException:
+                ipr.link("del", ifname=self.link)
+                raise
+
+    def close(self) -> None:
+        self.listener.close()
+        with IPRoute() as ipr:
+            if ipr.link_lookup(ifname=self.link):
+                ipr.link("del", ifname=self.link)
+
+
+class ContainerHost:
+    """aenv's view from inside a container, built from two namespaces: ``netns`` is the
+    container's (where aenv runs: host table, slot veths, routes), ``outer`` the machine
+    around it, the container's default gateway. The outer host holds the gateway address
+    (its bridge, as docker0), a public address of its own and a fake cloud metadata
+    service at 169.254.169.254, each with a listener; port 80 for the metadata one.
+
+    ``run(fn)`` runs ``fn`` in the container's namespace; threads it starts (a pool's
+    filler) stay there. Nothing of it is in the host namespace but the two names."""
+
+    netns = f"{HELPER}-ctr"
+    outer = f"{HELPER}-out"
+
+    def __init__(self) -> None:
+        self.listeners: dict[str, Listener] = {}
+        try:
+            ctr_fd = ns.create(self.netns, self._setup_container)
+            try:
+                ns.create(self.outer, lambda: self._setup_outer(ctr_fd))
+            finally:
+                os.close(ctr_fd)
+            self.run(self._route_container)
+            for name, ip, port in (("gateway", CTR_GATEWAY_IP, 0),
+                                   ("outer", OUTER_PUBLIC_IP, 0),
+                                   ("metadata", METADATA_IP, 80)):
+                self.listeners[name] = Listener(self.outer, ip, port, name)
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _setup_container() -> int:
+        with IPRoute() as ipr:
+            ipr.link("set", index=1, state="up")
+        return os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+
+    @staticmethod
+    def _setup_outer(ctr_fd: int) -> None:
+        with IPRoute() as ipr:
+            ipr.link("set", index=1, state="up")
+            ipr.link("add", ifname="br0", kind="veth",
+                     peer={"ifname": "eth0", "net_ns_fd": ctr_fd})
+            br = ipr.link_lookup(ifname="br0")[0]
+            ipr.addr("add", index=br, address=CTR_GATEWAY_IP, prefixlen=24)
+            ipr.link("set", index=br, state="up")
+            for ip in (OUTER_PUBLIC_IP, METADATA_IP):
+                ipr.addr("add", index=1, address=ip, prefixlen=32)
+
+    @staticmethod
+    def _route_container() -> None:
+        with IPRoute() as ipr:
+            eth = ipr.link_lookup(ifname="eth0")[0]
+            ipr.addr("add", index=eth, address=CTR_IP, prefixlen=24)
+            ipr.link("set", index=eth, state="up")
+            ipr.route("add", dst="0.0.0.0/0", gateway=CTR_GATEWAY_IP)
+
+    def run(self, fn):  # type: ignore[no-untyped-def]
+        return ns.run_in(self.netns, fn)
+
+    def close(self) -> None:
+        for lis in self.listeners.values():
+            lis.close()
+        self.listeners.clear()
+        ns.remove(self.outer)  # the veth pair dies with the namespaces
+        ns.remove(self.netns)
