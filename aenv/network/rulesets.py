@@ -10,7 +10,10 @@ Host table ``inet <prefix>``: in prerouting, before any DNAT of the host's (Dock
 published ports, kube-proxy's node ports) can turn it into forwarded traffic, a new packet
 from a slot veth to any address of the host itself (``fib daddr type local``: every
 address of every interface, whenever it was added; broadcast and multicast too) is
-refused, and so is anything but IPv4; input from any slot veth is dropped unless it is a
+refused, and so are the addresses of ``refused`` (the cloud metadata addresses, the
+default gateways of the namespace aenv runs in, which are the outer host when that
+namespace is a container's, and any address the caller names as the host's) and anything
+but IPv4; input from any slot veth is dropped unless it is a
 reply (the guest cannot reach host services); forwarding between two slot veths is
 dropped (sandboxes cannot reach each other); forwarding into a slot veth is allowed only
 for replies (nothing but the host itself opens connections to a sandbox); guest egress
@@ -19,7 +22,8 @@ leaving through any other interface is masqueraded.
 Slot table ``inet <prefix>`` inside the namespace: the host address is DNAT-ed to the guest,
 the guest's egress is SNAT-ed to the host address (so the host routes replies back by its
 /32 route and strict rp_filter holds), the namespace itself accepts nothing new, and
-forwarding allows host->guest plus guest egress that passes ``EgressPolicy``.
+forwarding allows host->guest plus guest egress that passes ``EgressPolicy`` (aenv's ranges
+and the metadata addresses refused first, see ``policy``).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from collections.abc import Iterable
 
 from .addressing import Addressing, SlotAddresses
 from .guest_link import GUEST_IP, NS_VETH_NAME, TAP_NAME
-from .policy import PRIVATE_RANGES, EgressPolicy
+from .policy import METADATA_ADDRESSES, PRIVATE_RANGES, EgressPolicy
 
 _REJECT = "reject with icmpx type admin-prohibited"
 
@@ -48,14 +52,21 @@ def _replace(family: str, table: str, body: str) -> str:
         _table(family, table, body)
 
 
-def host_table(a: Addressing) -> str:
+def host_table(a: Addressing, refused: Iterable[str] = ()) -> str:
+    """``refused``: IPv4 addresses or CIDRs no guest may reach, on top of the host's own
+    addresses and ``METADATA_ADDRESSES``."""
     veths = f'"{a.veth_glob}"'
     return _replace("inet", a.table, f"""\
+    set refused {{
+        type ipv4_addr; flags interval;
+        elements = {_set([*METADATA_ADDRESSES, *refused])}
+    }}
     chain prerouting {{
         type filter hook prerouting priority mangle - 10; policy accept;
         iifname {veths} meta nfproto != ipv4 drop
         iifname {veths} ct state established,related accept
         iifname {veths} fib daddr type {{ local, broadcast, multicast }} {_REJECT}
+        iifname {veths} ip daddr @refused {_REJECT}
     }}
     chain input {{
         type filter hook input priority filter - 10; policy accept;
@@ -109,7 +120,7 @@ def slot_table(a: Addressing, s: SlotAddresses, policy: EgressPolicy) -> str:
         iifname "{TAP_NAME}" oifname "{NS_VETH_NAME}" ip saddr {GUEST_IP} jump egress
     }}
     chain egress {{
-        ip daddr {_set([str(a.host_net), str(a.veth_net)])} {_REJECT}
+        ip daddr {_set([str(a.host_net), str(a.veth_net), *METADATA_ADDRESSES])} {_REJECT}
         jump egress_user
         ip daddr {_set(PRIVATE_RANGES)} {_REJECT}
         accept

@@ -45,10 +45,10 @@ INET_PRIVATE_IP = f"192.168.{200 + _K % 50}.1"
 # Stands for one of the host's own public addresses (TEST-NET-3, on a dummy link).
 HOST_PUBLIC_IP = f"203.0.113.{_K + 1}"
 # aenv inside a container: the container's address, its gateway (the outer host's bridge
-# address) and the outer host's other addresses; all inside namespaces of the test.
+# address) and an internet address beyond it; all inside namespaces of the test.
 CTR_IP = f"172.31.{_K}.2"
 CTR_GATEWAY_IP = f"172.31.{_K}.1"
-OUTER_PUBLIC_IP = f"203.0.113.{_K + 101}"
+REMOTE_IP = f"203.0.113.{_K + 101}"
 METADATA_IP = "169.254.169.254"
 
 _TUNSETIFF = 0x400454CA
@@ -299,9 +299,10 @@ class DummyAddress:
 class ContainerHost:
     """aenv's view from inside a container, built from two namespaces: ``netns`` is the
     container's (where aenv runs: host table, slot veths, routes), ``outer`` the machine
-    around it, the container's default gateway. The outer host holds the gateway address
-    (its bridge, as docker0), a public address of its own and a fake cloud metadata
-    service at 169.254.169.254, each with a listener; port 80 for the metadata one.
+    around it, the container's default gateway. The outer namespace holds the gateway
+    address (the outer host's bridge, as docker0), an address that stands for the internet
+    beyond it (``REMOTE_IP``) and a fake cloud metadata service at 169.254.169.254, each
+    with a listener; port 80 for the metadata one.
 
     ``run(fn)`` runs ``fn`` in the container's namespace; threads it starts (a pool's
     filler) stay there. Nothing of it is in the host namespace but the two names."""
@@ -319,7 +320,7 @@ class ContainerHost:
                 os.close(ctr_fd)
             self.run(self._route_container)
             for name, ip, port in (("gateway", CTR_GATEWAY_IP, 0),
-                                   ("outer", OUTER_PUBLIC_IP, 0),
+                                   ("remote", REMOTE_IP, 0),
                                    ("metadata", METADATA_IP, 80)):
                 self.listeners[name] = Listener(self.outer, ip, port, name)
         except BaseException:
@@ -341,7 +342,7 @@ class ContainerHost:
             br = ipr.link_lookup(ifname="br0")[0]
             ipr.addr("add", index=br, address=CTR_GATEWAY_IP, prefixlen=24)
             ipr.link("set", index=br, state="up")
-            for ip in (OUTER_PUBLIC_IP, METADATA_IP):
+            for ip in (REMOTE_IP, METADATA_IP):
                 ipr.addr("add", index=1, address=ip, prefixlen=32)
 
     @staticmethod

@@ -50,3 +50,21 @@ def test_aenv_ranges_are_refused_before_user_rules_and_private_ones_after():
     user = egress.index("jump egress_user")
     private = egress.index("192.168.0.0/16")
     assert own < user < private
+
+
+def test_metadata_is_refused_with_aenvs_ranges_before_user_rules():
+    a = _addressing()
+    table = rulesets.slot_table(a, a.slot(1), EgressPolicy.build(allow_out=["0.0.0.0/0"]))
+    egress = table[table.index("chain egress {"):]
+    first = egress.splitlines()[1]
+    assert "169.254.169.254/32" in first and "100.100.100.200/32" in first
+    assert first.rstrip().endswith("reject with icmpx type admin-prohibited")
+    assert egress.index("169.254.169.254/32") < egress.index("jump egress_user")
+
+
+def test_the_host_table_refuses_metadata_and_named_addresses_of_the_host():
+    table = rulesets.host_table(_addressing(), ["192.0.2.1/32", "198.51.100.0/24"])
+    refused = table[table.index("set refused {"):table.index("chain prerouting")]
+    for cidr in ("169.254.169.254/32", "192.0.2.1/32", "198.51.100.0/24"):
+        assert cidr in refused
+    assert 'iifname "aenv-v*" ip daddr @refused reject' in table
