@@ -690,13 +690,17 @@ def report_again(out: Path, known_file: Path) -> int:
     reasons, known = load_known(known_file)
     meta = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() \
         else {}
-    meta.pop("suites", None)
+    before = meta.pop("suites", {})
     results = []
     if (out / "python-junit.xml").exists():
         results.append(SuiteResult("python", parse_junit(out / "python-junit.xml")))
     if (out / "js.json").exists():
         sdk = Path(meta.get("e2b_src", ".")) / "packages/js-sdk"
         results.append(SuiteResult("js", parse_vitest(out / "js.json", sdk)))
+    for res in results:
+        old = before.get(res.suite, {})
+        res.seconds, res.returncode = old.get("seconds", 0.0), old.get("returncode")
+        res.note = old.get("note", "")
     return 1 if report(results, reasons, known, out, meta) else 0
 
 
