@@ -12,6 +12,7 @@ from .addressing import Addressing, SlotAddresses
 from .cleanup import LeftoversReport, cleanup_leftovers
 from .doctor import doctor_checks
 from .errors import (
+    HostTableError,
     NetnsError,
     NetworkError,
     NftError,
@@ -35,6 +36,7 @@ __all__ = [
     "TAP_NAME",
     "Addressing",
     "EgressPolicy",
+    "HostTableError",
     "LeftoversReport",
     "NetnsError",
     "NetworkError",

@@ -47,3 +47,17 @@ class PoolExhaustedError(NetworkError):
 
 class PoolClosedError(NetworkError):
     """The pool was closed; it hands out no more slots."""
+
+
+class HostTableError(NetworkError):
+    """aenv's host nft table (``table``) was removed or changed behind its back (an ``nft
+    flush ruleset``, a firewall reload) and could not be loaded again: guests are not
+    isolated from the host, so no slot is handed out until it is back. The cause is
+    chained (``__cause__``, usually an ``NftError`` with nft's own explanation)."""
+
+    def __init__(self, table: str, cause: BaseException) -> None:
+        super().__init__(
+            f"aenv's host nft table 'inet {table}' is missing or was changed, and restoring "
+            f"it failed ({cause}); no network slot is handed out until it is restored (did "
+            f"something flush the host's nftables ruleset?)")
+        self.table = table

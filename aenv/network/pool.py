@@ -10,6 +10,11 @@ destroys it and frees the index; a slot is never handed out again before that cl
 finished. The thread does its work between bursts of acquires and VM starts, not during
 them (``_QUIET_S``, ``starting``).
 
+The host table is the pool's too (``host.HostTable``): ``start`` loads it, ``acquire``,
+``adopt`` and every warm creation first check it is still there as loaded (restoring it,
+or raising ``HostTableError`` so no slot goes out unisolated), and the background thread
+checks it every ``host.CHECK_INTERVAL`` seconds, re-reading the default gateways.
+
 Every method is thread-safe and blocking; from asyncio call them through
 ``asyncio.to_thread``. Run ``cleanup_leftovers`` before ``start`` after a crash, and give
 ``start`` the indices ``cleanup_leftovers`` kept so they are not handed out twice.
@@ -47,9 +52,15 @@ _MAX_DEFER_S = 3.0
 
 class SlotPool:
     def __init__(self, settings: Settings, *, warm_size: int | None = None,
-                 tap_uid: int | None = None, tap_gid: int | None = None) -> None:
-        """``tap_uid``/``tap_gid`` own every tap, for VMMs that do not run as root."""
+                 tap_uid: int | None = None, tap_gid: int | None = None,
+                 host_addresses: Iterable[str] = ()) -> None:
+        """``tap_uid``/``tap_gid`` own every tap, for VMMs that do not run as root.
+        ``host_addresses``: addresses of the machine aenv runs on that it cannot see from
+        its namespace (see ``host``); no guest reaches them."""
         self.addressing = Addressing(settings)
+        self._host = host.HostTable(self.addressing, host_addresses)
+        self._next_host_check = 0.0  # monotonic time of the filler's next host check
+        self._host_failing: Exception | None = None  # the filler's last failed check
         self.warm_size = settings.warm_slots if warm_size is None else warm_size
         if self.warm_size < 0:
             raise ValueError("warm_size must be >= 0")
@@ -76,10 +87,14 @@ class SlotPool:
     def start(self, keep: Iterable[int] = ()) -> None:
         """Prepare the host (ip_forward, host table) and start filling the warm pool.
         ``keep``: indices of slots that survived a restart; only ``adopt`` hands them out."""
-        host.prepare(self.addressing)
         with self._cv:
             if self._started:
                 return
+        self._host.load()
+        with self._cv:
+            if self._started:
+                return
+            self._next_host_check = time.monotonic() + host.CHECK_INTERVAL
             self._reserved.update(keep)
             self._started = True
             self._worker = threading.Thread(target=self._work, name="aenv-slot-pool",
@@ -112,7 +127,7 @@ class SlotPool:
             except NetworkError:
                 log.exception("slot %d: destroy on close failed", slot.index)
         if self._started and not slots_kept:
-            host.remove_table(self.addressing)
+            self._host.remove()
 
     def __enter__(self) -> Self:
         self.start()
@@ -124,7 +139,11 @@ class SlotPool:
     # -- handing out -----------------------------------------------------------------------
 
     def acquire(self, policy: EgressPolicy = DEFAULT_POLICY) -> NetworkSlot:
-        """A clean slot with ``policy`` applied: a warm one if any, else made now."""
+        """A clean slot with ``policy`` applied: a warm one if any, else made now.
+        Raises HostTableError when the host table is gone and cannot be restored."""
+        with self._cv:
+            self._check_open()
+        self._host.check()
         with self._cv:
             self._check_open()
             slot = self._warm.popleft() if self._warm else None
@@ -147,6 +166,11 @@ class SlotPool:
 
     def adopt(self, index: int, policy: EgressPolicy = DEFAULT_POLICY) -> NetworkSlot:
         """Take over slot ``index`` that survived a server restart (see ``start(keep=)``)."""
+        with self._cv:
+            self._check_open()
+            if index in self._leased:
+                raise NetworkError(f"slot {index} is already leased")
+        self._host.check()
         with self._cv:
             self._check_open()
             if index in self._leased:
@@ -259,13 +283,26 @@ class SlotPool:
             self._free_index(slot.index)
 
     def _work(self) -> None:
-        """The one background thread: clean released slots first, then fill the pool."""
+        """The one background thread: check the host table when due, clean released slots
+        first, then fill the pool."""
         while True:
             with self._cv:
                 while not self._closed and not self._dirty and \
                         len(self._warm) + self._creating >= self.warm_size:
                     self._pending_since = None
-                    self._cv.wait()
+                    due = self._next_host_check - time.monotonic()
+                    if due <= 0:
+                        break
+                    self._cv.wait(due)
+                if self._closed:
+                    return
+                host_check = time.monotonic() >= self._next_host_check
+                if host_check:
+                    self._next_host_check = time.monotonic() + host.CHECK_INTERVAL
+            if host_check:
+                self._check_host()
+                continue
+            with self._cv:
                 if self._closed:
                     return
                 hold = self._hold()
@@ -303,6 +340,18 @@ class SlotPool:
             return min(deadline - now, _QUIET_S)
         return min(self._last_busy + _QUIET_S, deadline) - now
 
+    def _check_host(self) -> None:
+        try:
+            self._host.check(refresh=True)
+        except Exception as e:  # kept, and logged once per outage; acquire raises it
+            if self._host_failing is None:
+                log.exception("host table check failed")
+            self.last_error = self._host_failing = e
+            return
+        if self._host_failing is not None:
+            log.info("host table restored after: %s", self._host_failing)
+            self._host_failing = None
+
     def _recycle(self, slot: NetworkSlot) -> None:
         keep = False
         try:
@@ -327,6 +376,7 @@ class SlotPool:
 
     def _fill(self, index: int) -> None:
         try:
+            self._host.check()
             slot = NetworkSlot.create(self.addressing, index, **self._tap)
         except BaseException as e:
             self.last_error = e

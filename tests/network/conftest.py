@@ -8,17 +8,26 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 from pyroute2 import IPRoute
 
 from aenv.config import Settings
-from aenv.network import NetworkSlot, cleanup_leftovers, host, nft
+from aenv.network import EgressPolicy, NetworkSlot, SlotPool, cleanup_leftovers, host, nft
 from aenv.network import netns as ns
 from aenv.network.addressing import Addressing
 
-from .helpers import HELPER, PREFIX, FakeGuest, FakeInternet, make_settings
+from .helpers import (
+    HELPER,
+    PREFIX,
+    ContainerHost,
+    DummyAddress,
+    FakeGuest,
+    FakeInternet,
+    make_settings,
+)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -81,6 +90,57 @@ def internet() -> Iterator[FakeInternet]:
     inet = FakeInternet()
     yield inet
     inet.close()
+
+
+@pytest.fixture
+def host_address() -> Iterator[DummyAddress]:
+    """One of the host's own public addresses, added after aenv's host table was loaded."""
+    addr = DummyAddress()
+    yield addr
+    addr.close()
+
+
+@pytest.fixture
+def pool_factory(tmp_path: Path) -> Iterator[Callable[..., SlotPool]]:
+    pools: list[SlotPool] = []
+
+    def make(warm: int = 0, **overrides: object) -> SlotPool:
+        pool = SlotPool(make_settings(tmp_path, **overrides), warm_size=warm)
+        pools.append(pool)
+        pool.start()
+        return pool
+
+    yield make
+    for pool in pools:
+        pool.close()
+
+
+@dataclass
+class InContainer:
+    """aenv's host table loaded inside a ``ContainerHost``, and slots made there."""
+
+    box: ContainerHost
+    addressing: Addressing
+    slots: list[NetworkSlot] = field(default_factory=list)
+
+    def make_slot(self, index: int, policy: EgressPolicy = EgressPolicy()) -> NetworkSlot:
+        slot = self.box.run(lambda: NetworkSlot.create(self.addressing, index, policy=policy))
+        self.slots.append(slot)
+        return slot
+
+
+@pytest.fixture
+def in_container(addressing: Addressing) -> Iterator[InContainer]:
+    box = ContainerHost()
+    ctx = InContainer(box, addressing)
+    try:
+        box.run(lambda: host.prepare(addressing))
+        yield ctx
+    finally:
+        for slot in ctx.slots:
+            box.run(slot.destroy)
+        box.run(lambda: host.remove_table(addressing))
+        box.close()
 
 
 def _leftovers() -> list[str]:

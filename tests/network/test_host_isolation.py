@@ -5,12 +5,10 @@ outer host and cloud metadata, whatever ``allow_out`` says."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
 import pytest
 
 from aenv.network import EgressPolicy, NetworkSlot, host
-from aenv.network.addressing import Addressing
 
 from .helpers import (
     CTR_GATEWAY_IP,
@@ -19,7 +17,6 @@ from .helpers import (
     METADATA_IP,
     REMOTE_IP,
     ContainerHost,
-    DummyAddress,
     FakeGuest,
     blocked,
     connect,
@@ -28,14 +25,6 @@ from .helpers import (
 pytestmark = pytest.mark.net
 
 OPEN = EgressPolicy.build(allow_out=["0.0.0.0/0"])
-
-
-@pytest.fixture
-def host_address() -> Iterator[DummyAddress]:
-    """One of the host's own public addresses, added after aenv's host table was loaded."""
-    addr = DummyAddress()
-    yield addr
-    addr.close()
 
 
 @pytest.fixture
@@ -75,34 +64,6 @@ def test_guest_cannot_reach_a_port_the_host_publishes_by_dnat(make_slot, make_gu
 
 
 # -- aenv inside a container -------------------------------------------------------------
-
-
-@dataclass
-class InContainer:
-    """aenv's host table loaded inside a ``ContainerHost``, and slots made there."""
-
-    box: ContainerHost
-    addressing: Addressing
-    slots: list[NetworkSlot] = field(default_factory=list)
-
-    def make_slot(self, index: int, policy: EgressPolicy = EgressPolicy()) -> NetworkSlot:
-        slot = self.box.run(lambda: NetworkSlot.create(self.addressing, index, policy=policy))
-        self.slots.append(slot)
-        return slot
-
-
-@pytest.fixture
-def in_container(addressing) -> Iterator[InContainer]:
-    box = ContainerHost()
-    ctx = InContainer(box, addressing)
-    try:
-        box.run(lambda: host.prepare(addressing))
-        yield ctx
-    finally:
-        for slot in ctx.slots:
-            box.run(slot.destroy)
-        box.run(lambda: host.remove_table(addressing))
-        box.close()
 
 
 @pytest.fixture

@@ -33,21 +33,6 @@ from .helpers import (
 pytestmark = pytest.mark.net
 
 
-@pytest.fixture
-def pool_factory(tmp_path):
-    pools: list[SlotPool] = []
-
-    def make(warm: int = 0, **overrides) -> SlotPool:
-        pool = SlotPool(make_settings(tmp_path, **overrides), warm_size=warm)
-        pools.append(pool)
-        pool.start()
-        return pool
-
-    yield make
-    for pool in pools:
-        pool.close()
-
-
 def test_warm_pool_fills_to_its_size_and_refills_after_acquire(pool_factory):
     pool = pool_factory(warm=2)
     assert pool.wait_warm()
