@@ -5,9 +5,12 @@ address from ``Settings.host_cidr``, DNAT-ed to the guest inside the namespace, 
 guest's egress is SNAT-ed there and masqueraded on the host's way out. Guests reach neither
 host services nor each other. ``SlotPool`` is what the orchestrator uses; ``NetworkSlot``
 is what a runtime driver is handed (netns, tap name, host address);
-``cleanup_leftovers`` runs once at start-up. Everything here needs root.
+``cleanup_leftovers`` runs once at start-up. The server's own connections to sandboxes
+are made through ``access`` (marked sockets), so that with ``SlotPool(server_only=True)``
+no other local process reaches a sandbox. Everything here needs root.
 """
 
+from .access import SERVER_MARK, connect_socket, mark_socket, sandbox_transport
 from .addressing import Addressing, SlotAddresses
 from .cleanup import LeftoversReport, cleanup_leftovers
 from .doctor import doctor_checks
@@ -31,6 +34,7 @@ __all__ = [
     "DEFAULT_POLICY",
     "GUEST_IP",
     "GUEST_MAC",
+    "SERVER_MARK",
     "TAP_IP",
     "TAP_MAC",
     "TAP_NAME",
@@ -49,6 +53,9 @@ __all__ = [
     "SlotBusyError",
     "SlotPool",
     "cleanup_leftovers",
+    "connect_socket",
     "doctor_checks",
+    "mark_socket",
     "run_in_netns",
+    "sandbox_transport",
 ]

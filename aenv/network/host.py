@@ -76,9 +76,10 @@ def refused_addresses(host_addresses: Iterable[str] = ()) -> list[str]:
     return [*outer_host_addresses(), *named]
 
 
-def prepare(addressing: Addressing, host_addresses: Iterable[str] = ()) -> None:
+def prepare(addressing: Addressing, host_addresses: Iterable[str] = (), *,
+            server_mark: int | None = None) -> None:
     """Load the host table once, unwatched (``HostTable`` for a table that is kept)."""
-    HostTable(addressing, host_addresses).load()
+    HostTable(addressing, host_addresses, server_mark=server_mark).load()
 
 
 def _local_addresses() -> set[str]:
@@ -92,9 +93,12 @@ class HostTable:
     Thread-safe; acts in the namespace of the calling thread (make and check it from the
     same one)."""
 
-    def __init__(self, addressing: Addressing, host_addresses: Iterable[str] = ()) -> None:
+    def __init__(self, addressing: Addressing, host_addresses: Iterable[str] = (), *,
+                 server_mark: int | None = None) -> None:
+        """``server_mark``: see ``rulesets.host_table`` and ``access``."""
         self._a = addressing
         self._named = tuple(host_addresses)
+        self._server_mark = server_mark
         self._lock = threading.Lock()
         self._ruleset: str | None = None  # what was loaded
         self._listing = ""  # nft's listing of it, taken right after loading
@@ -140,7 +144,7 @@ class HostTable:
             return remove_table(self._a)
 
     def _expected(self) -> str:
-        return rulesets.host_table(self._a, refused_addresses(self._named))
+        return rulesets.host_table(self._a, refused_addresses(self._named), self._server_mark)
 
     def _load(self, ruleset: str) -> None:
         if not ip_forward_enabled():

@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from typing import Self
 
 from ..config import Settings
-from . import host
+from . import access, host
 from .addressing import Addressing
 from .errors import NetworkError, PoolClosedError, PoolExhaustedError, SlotBusyError
 from .policy import DEFAULT_POLICY, EgressPolicy
@@ -53,12 +53,15 @@ _MAX_DEFER_S = 3.0
 class SlotPool:
     def __init__(self, settings: Settings, *, warm_size: int | None = None,
                  tap_uid: int | None = None, tap_gid: int | None = None,
-                 host_addresses: Iterable[str] = ()) -> None:
+                 host_addresses: Iterable[str] = (), server_only: bool = False) -> None:
         """``tap_uid``/``tap_gid`` own every tap, for VMMs that do not run as root.
         ``host_addresses``: addresses of the machine aenv runs on that it cannot see from
-        its namespace (see ``host``); no guest reaches them."""
+        its namespace (see ``host``); no guest reaches them. ``server_only``: only
+        sockets marked ``access.SERVER_MARK`` open connections to a slot's host address
+        (the server's own clients must then be made with ``access``)."""
         self.addressing = Addressing(settings)
-        self._host = host.HostTable(self.addressing, host_addresses)
+        self._host = host.HostTable(self.addressing, host_addresses,
+                                    server_mark=access.SERVER_MARK if server_only else None)
         self._next_host_check = 0.0  # monotonic time of the filler's next host check
         self._host_failing: Exception | None = None  # the filler's last failed check
         self.warm_size = settings.warm_slots if warm_size is None else warm_size

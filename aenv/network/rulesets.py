@@ -16,8 +16,10 @@ namespace is a container's, and any address the caller names as the host's) and 
 but IPv4; input from any slot veth is dropped unless it is a
 reply (the guest cannot reach host services); forwarding between two slot veths is
 dropped (sandboxes cannot reach each other); forwarding into a slot veth is allowed only
-for replies (nothing but the host itself opens connections to a sandbox); guest egress
-leaving through any other interface is masqueraded.
+for replies (nothing but the host itself opens connections to a sandbox); with
+``server_mark``, the host's own packets to aenv's host range are refused unless their
+socket carries that mark (only the server reaches a sandbox, see ``access``); guest
+egress leaving through any other interface is masqueraded.
 
 Slot table ``inet <prefix>`` inside the namespace: the host address is DNAT-ed to the guest,
 the guest's egress is SNAT-ed to the host address (so the host routes replies back by its
@@ -52,10 +54,17 @@ def _replace(family: str, table: str, body: str) -> str:
         _table(family, table, body)
 
 
-def host_table(a: Addressing, refused: Iterable[str] = ()) -> str:
+def host_table(a: Addressing, refused: Iterable[str] = (), server_mark: int | None = None) -> str:
     """``refused``: IPv4 addresses or CIDRs no guest may reach, on top of the host's own
-    addresses and ``METADATA_ADDRESSES``."""
+    addresses and ``METADATA_ADDRESSES``. ``server_mark``: the only ``SO_MARK`` with
+    which the host may open connections to aenv's host range (None: any)."""
     veths = f'"{a.veth_glob}"'
+    output = "" if server_mark is None else f"""\
+    chain output {{
+        type filter hook output priority filter - 10; policy accept;
+        ip daddr {a.host_net} meta mark != {server_mark:#x} ct state != related {_REJECT}
+    }}
+"""
     return _replace("inet", a.table, f"""\
     set refused {{
         type ipv4_addr; flags interval;
@@ -79,7 +88,7 @@ def host_table(a: Addressing, refused: Iterable[str] = ()) -> str:
         oifname {veths} ct state established,related accept
         oifname {veths} drop
     }}
-    chain postrouting {{
+{output}    chain postrouting {{
         type nat hook postrouting priority srcnat; policy accept;
         ip saddr {a.host_net} oifname != {veths} masquerade
     }}

@@ -104,8 +104,9 @@ def host_address() -> Iterator[DummyAddress]:
 def pool_factory(tmp_path: Path) -> Iterator[Callable[..., SlotPool]]:
     pools: list[SlotPool] = []
 
-    def make(warm: int = 0, **overrides: object) -> SlotPool:
-        pool = SlotPool(make_settings(tmp_path, **overrides), warm_size=warm)
+    def make(warm: int = 0, server_only: bool = False, **overrides: object) -> SlotPool:
+        pool = SlotPool(make_settings(tmp_path, **overrides), warm_size=warm,
+                        server_only=server_only)
         pools.append(pool)
         pool.start()
         return pool
