@@ -9,16 +9,20 @@ guest-RAM file; ``remove`` deletes the directory and the RAM file it points to.
 Guest RAM lives on tmpfs (``/dev/shm``) when the host has one: a ``share=on`` mapping of a
 file on a disk filesystem would make the host write every page the guest dirties back to disk,
 while tmpfs keeps it in memory and can still be mapped copy-on-write by a restore. Without a
-tmpfs the file sits in the working directory.
+tmpfs the file sits in the working directory. The file is made afresh for every boot, mode
+0600 and owned by root (the VMM opens it at its start), with ``O_EXCL``
+and without following a symlink: ``/dev/shm`` is writable by every local user, and a link
+or file planted under the name must neither become guest RAM nor get truncated.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import stat
 from pathlib import Path
 
-from .base import Drive, VMSpec
+from .base import Drive, VMError, VMSpec
 
 KERNEL = "kernel"
 INITRD = "initrd"
@@ -72,11 +76,35 @@ def prepare(spec: VMSpec) -> None:
         # QEMU opens mem-path with O_CREAT|O_EXCL when it is missing, which loops forever on
         # a dangling symlink: the file must exist, at full size, before the VMM starts.
         spec.memory_file.parent.mkdir(parents=True, exist_ok=True)
-        with open(spec.memory_file, "wb") as f:
-            f.truncate(spec.memory_mib << 20)
+        create_memory_file(spec.memory_file, spec.memory_mib << 20)
         _link(wd / MEMORY, spec.memory_file)
     for stale in (QMP_SOCKET, PIDFILE):
         (wd / stale).unlink(missing_ok=True)
+
+
+def create_memory_file(path: Path, size: int) -> None:
+    """A new, empty guest-RAM file of ``size`` bytes: 0600, this process's, created with
+    ``O_EXCL | O_NOFOLLOW``. A regular file of ours already there is a crashed VM's and is
+    replaced; anything else under the name (another user's file, a symlink) is refused."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o600)
+    except FileExistsError:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise VMError(f"{path} exists and is not a guest-RAM file of ours (mode "
+                          f"{stat.filemode(st.st_mode)}, uid {st.st_uid}): refusing it"
+                          ) from None
+        path.unlink()
+        fd = os.open(path, flags, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # whatever the umask
+        os.ftruncate(fd, size)
+    except BaseException:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise
+    os.close(fd)
 
 
 def remove(workdir: Path) -> None:
