@@ -23,6 +23,7 @@ from .base import (
     UnknownRuntimeError,
     VMError,
     VMExitedError,
+    VMLimits,
     VMSpec,
 )
 
@@ -40,6 +41,7 @@ __all__ = [
     "UnknownRuntimeError",
     "VMError",
     "VMExitedError",
+    "VMLimits",
     "VMSpec",
     "doctor_checks",
     "get_runtime",

@@ -13,6 +13,10 @@ Contract for every driver:
   names there (see ``aenv.runtime.workdir``), so no VM state embeds a sandbox-specific path.
 - The VMM runs in its own process group and survives the server; ``Runtime.attach`` finds it
   again from the working directory alone.
+- The VMM runs confined (``aenv.runtime.confine``): its own unprivileged uid, seccomp, a
+  chroot into its working directory, a cgroup with limits from the VM's size
+  (``VMLimits``); ``VM.stop`` releases them, and so does ``workdir.remove`` for a VMM that
+  died unseen. ``Runtime.cleanup_leftovers`` removes what a crashed server left.
 - Operations a driver cannot do yet raise ``NotSupportedError`` (a ``NotImplementedError``).
 
 Snapshots (``VM.snapshot``, ``Runtime.restore``) — the contract the orchestrator builds pause,
@@ -140,6 +144,20 @@ class Drive:
 
 
 @dataclass(frozen=True)
+class VMLimits:
+    """What one VM's VMM may use, enforced by its cgroup (``aenv.runtime.confine``). A field
+    left None is derived from the VM's size (``confine.limits_for``: guest RAM plus the
+    VMM's overhead, the vCPUs plus a quarter CPU, tasks, io weight by vCPUs).
+    ``memory_bytes``: ``memory.max``; ``cpus``: CPU time in CPUs (``cpu.max``), 0 for no
+    cap; ``pids``: ``pids.max``; ``io_weight``: 1..10000 (``io.weight``)."""
+
+    memory_bytes: int | None = None
+    cpus: float | None = None
+    pids: int | None = None
+    io_weight: int | None = None
+
+
+@dataclass(frozen=True)
 class VMSpec:
     """Everything a driver needs to boot one VM.
 
@@ -150,7 +168,7 @@ class VMSpec:
     guest RAM and is shared with the VMM (so the snapshot code can later map it
     copy-on-write); None means anonymous memory. A driver whose VMM cannot back RAM by a file
     at boot raises ``NotSupportedError`` for it. ``console_log`` defaults to ``console.log``
-    in the working directory.
+    in the working directory. ``limits`` None: derived from ``vcpus`` and ``memory_mib``.
     """
 
     vm_id: str
@@ -166,6 +184,7 @@ class VMSpec:
     mac: str = GUEST_MAC
     memory_file: Path | None = None
     console_log: Path | None = None
+    limits: VMLimits | None = None
 
     def __post_init__(self) -> None:
         if self.vcpus < 1 or self.memory_mib < 16:
@@ -183,7 +202,8 @@ class RestoreOverrides:
     itself (it must show the snapshot's contents of that drive, e.g. an overlay over the
     snapshot's file); other writable drives get a new layer in ``workdir``. ``tap`` None
     keeps the tap name the snapshot had (every slot's tap has the same name); ``netns``
-    is the new slot's namespace.
+    is the new slot's namespace. ``limits`` as in ``VMSpec`` (None: from the snapshot's
+    machine size).
     """
 
     vm_id: str
@@ -192,6 +212,7 @@ class RestoreOverrides:
     tap: str | None = None
     netns: str | None = None
     console_log: Path | None = None
+    limits: VMLimits | None = None
 
 
 @dataclass(frozen=True)
@@ -311,3 +332,9 @@ class Runtime(abc.ABC):
     @abc.abstractmethod
     async def attach(self, workdir: Path) -> VM:
         """Re-attach to the live VMM of ``workdir`` (after a server restart)."""
+
+    def cleanup_leftovers(self, vms_dir: Path, keep: set[str]) -> dict[str, list[str]]:
+        """Remove the host objects of VMs a crashed server left (their cgroups, their VMM
+        uids), except the VMs named in ``keep``; blocking. Run it at start-up after the
+        working directories of lost VMs are removed. Returns what it did, by kind."""
+        return {}

@@ -9,6 +9,10 @@ checking that the pid's cwd is that working directory before trusting it.
 KVM or TCG is decided once per process by ``aenv.runtime.kvm``; the choice is recorded in
 the VM handle (``accel``, ``accel_reason``), the manifest and the log.
 
+Every QEMU runs confined (``aenv.runtime.confine``): its own uid, seccomp, a chroot into
+its working directory and a cgroup sized from the VM, set up before it is spawned and
+released once it has exited (``stop``); the manifest records it for ``attach``.
+
 ``VM.snapshot`` and ``restore`` follow ``aenv.runtime.qemu_snapshot`` (format, costs, and
 why); this module only runs the processes: a restore is a boot with the snapshot's machine
 shape that waits for an incoming migration, gets the memory diff written into its RAM, then
@@ -33,7 +37,7 @@ from pathlib import Path
 
 from qemu.qmp import QMPClient, QMPError
 
-from . import qemu_args, qemu_snapshot
+from . import confine, qemu_args, qemu_snapshot
 from . import workdir as wd
 from .base import (
     VM,
@@ -46,13 +50,19 @@ from .base import (
     SnapshotInfo,
     VMError,
     VMExitedError,
+    VMLimits,
     VMSpec,
 )
+from .confine import Confinement, Jail
 from .kvm import AccelChoice, host_accel
 
 log = logging.getLogger("aenv.runtime")
 
 QMP_TIMEOUT = 10.0  # seconds from spawn until QMP must answer (TCG on a loaded 2-core host)
+# TCG's translation cache per VM. QEMU's default, 1 GiB, is filled as the guest runs code it
+# has not run before and never returned: booting to envd fills ~110 MiB, a little Python
+# ~50 MiB more. When full it is flushed and refilled (retranslation costs time, not memory).
+TCG_TB_MIB = 256
 _SYS_IO_URING_SETUP = 425
 _UNIX_PATH_MAX = 107
 
@@ -121,6 +131,7 @@ class QemuVM(VM):
         boot_timings: dict[str, float] | None = None,
         pidfd: int | None = None,
         max_chain: int = qemu_snapshot.DEFAULT_MAX_CHAIN,
+        jail: Jail | None = None,
     ) -> None:
         self.vm_id = vm_id
         self.workdir = workdir
@@ -135,6 +146,7 @@ class QemuVM(VM):
         self._pidfd = os.pidfd_open(pid) if pidfd is None else pidfd
         self._returncode: int | None = None
         self._max_chain = max_chain
+        self.jail = jail or Jail(vm_id, workdir, released=True)
 
     @property
     def pid(self) -> int:
@@ -212,9 +224,11 @@ class QemuVM(VM):
             except TimeoutError:
                 continue
         await self._disconnect()
-        if not self.is_alive() and self._pidfd >= 0:
-            os.close(self._pidfd)
-            self._pidfd = -1
+        if not self.is_alive():
+            if self._pidfd >= 0:
+                os.close(self._pidfd)
+                self._pidfd = -1
+            await asyncio.to_thread(self.jail.release)
         log.info("stopped", extra={"vm_id": self.vm_id, "op": "stop",
                                    "duration": time.monotonic() - t})
 
@@ -249,14 +263,20 @@ class QemuRuntime(Runtime):
     name = "qemu"
 
     def __init__(self, *, accel: AccelChoice | None = None, binary: str | None = None,
-                 max_chain: int = qemu_snapshot.DEFAULT_MAX_CHAIN) -> None:
+                 max_chain: int = qemu_snapshot.DEFAULT_MAX_CHAIN,
+                 confinement: Confinement | None = None,
+                 tcg_tb_mib: int | None = TCG_TB_MIB) -> None:
         """``max_chain``: how many snapshot layers a VM's memory and drives may stack up
-        before a snapshot compacts them (see ``qemu_snapshot``)."""
+        before a snapshot compacts them (see ``qemu_snapshot``). ``confinement``: how VMMs
+        are confined (default ``Confinement()``: everything the host allows).
+        ``tcg_tb_mib``: TCG's translation cache per VM (None: QEMU's default, 1 GiB)."""
         if max_chain < 1:
             raise ValueError("max_chain must be >= 1")
         self._accel = accel
         self._binary = binary
         self._max_chain = max_chain
+        self.confinement = confinement if confinement is not None else Confinement()
+        self.tcg_tb_mib = tcg_tb_mib
 
     @property
     def accel(self) -> AccelChoice:
@@ -268,20 +288,28 @@ class QemuRuntime(Runtime):
             raise BootError(f"{qemu_args.QEMU_BINARY} is not installed", vm_id=spec.vm_id)
         accel = self.accel
         wd.prepare(spec)
-        argv = await self._argv(spec, accel, binary)
-        manifest = {
-            "vm_id": spec.vm_id,
-            "runtime": self.name,
-            "accel": accel.accel,
-            "accel_reason": accel.reason,
-            "argv": argv,
-            "created_at": time.time(),
-            "machine": qemu_snapshot.machine_record(spec, accel.accel),
-        }
-        (spec.workdir / wd.MANIFEST).write_text(json.dumps(manifest, indent=1))
-        vmm_log = spec.workdir / wd.VMM_LOG
-        t0 = time.monotonic()
-        process = await asyncio.to_thread(self._spawn, argv, spec.workdir, vmm_log)
+        jail = await self._jail(spec.vm_id, spec.workdir, spec.vcpus, spec.memory_mib, accel,
+                                spec.limits, BootError)
+        try:
+            argv = await self._argv(spec, accel, binary, jail=jail)
+            manifest = {
+                "vm_id": spec.vm_id,
+                "runtime": self.name,
+                "accel": accel.accel,
+                "accel_reason": accel.reason,
+                "argv": argv,
+                "created_at": time.time(),
+                "machine": qemu_snapshot.machine_record(spec, accel.accel),
+                "confinement": jail.record(),
+            }
+            (spec.workdir / wd.MANIFEST).write_text(json.dumps(manifest, indent=1))
+            vmm_log = spec.workdir / wd.VMM_LOG
+            t0 = time.monotonic()
+            process = await asyncio.to_thread(self._spawn, jail.wrap(argv), spec.workdir,
+                                              vmm_log)
+        except BaseException:
+            await asyncio.to_thread(jail.release)
+            raise
         try:
             qmp = await self._connect_qmp(spec, process)
             t_qmp = time.monotonic() - t0
@@ -290,13 +318,14 @@ class QemuRuntime(Runtime):
                 raise BootError(f"VMM came up {status}, not running", vm_id=spec.vm_id)
         except BaseException as e:
             self._kill(process)
+            await asyncio.to_thread(jail.release)
             if isinstance(e, BootError):
                 e.console_tail = e.console_tail or wd.tail(spec.workdir / wd.CONSOLE)
                 e.vmm_log_tail = e.vmm_log_tail or wd.tail(vmm_log)
             raise
         vm = QemuVM(vm_id=spec.vm_id, workdir=spec.workdir, accel=accel, pid=process.pid,
                     process=process, qmp=qmp, started_at=t0, boot_timings={"qmp_ready": t_qmp},
-                    max_chain=self._max_chain)
+                    max_chain=self._max_chain, jail=jail)
         log.info(
             "booted %s on %s in %.0f ms (pid %d)", spec.vm_id, accel.accel, t_qmp * 1000,
             process.pid,
@@ -305,14 +334,29 @@ class QemuRuntime(Runtime):
         )
         return vm
 
-    @staticmethod
-    async def _argv(spec: VMSpec, accel: AccelChoice, binary: str, *,
+    async def _argv(self, spec: VMSpec, accel: AccelChoice, binary: str, *, jail: Jail,
                     restore: bool = False) -> list[str]:
         """The VMM's command line, built in a thread: the first one under TCG measures the
         host's TSC rate (``aenv.runtime.tsc``, ~0.1 s), which must not stall the loop."""
         return await asyncio.to_thread(
             qemu_args.build_argv, spec, accel.accel, binary=binary,
-            aio="io_uring" if io_uring_usable() else "threads", restore=restore)
+            aio="io_uring" if io_uring_usable() else "threads", restore=restore,
+            tcg_tb_mib=self.tcg_tb_mib, confine=jail.qemu_args())
+
+    async def _jail(self, vm_id: str, workdir: Path, vcpus: int, memory_mib: int,
+                    accel: AccelChoice, limits: VMLimits | None,
+                    error: type[VMError]) -> Jail:
+        """The VM's confinement (uid, cgroup); a failure is ``error``."""
+        tb = (self.tcg_tb_mib or 1024) if accel.accel == "tcg" else None
+        try:
+            return await asyncio.to_thread(
+                confine.prepare, self.confinement, vm_id, workdir, vcpus=vcpus,
+                memory_mib=memory_mib, tcg_tb_mib=tb, overrides=limits)
+        except (confine.ConfinementError, OSError) as e:
+            raise error(f"cannot confine the VMM of {vm_id}: {e}", vm_id=vm_id) from e
+
+    def cleanup_leftovers(self, vms_dir: Path, keep: set[str]) -> dict[str, list[str]]:
+        return confine.cleanup_leftovers(self.confinement, vms_dir, keep)
 
     async def _connect_qmp(self, spec: VMSpec, process: subprocess.Popen[bytes]) -> QMPClient:
         sock_path = spec.workdir / wd.QMP_SOCKET
@@ -375,20 +419,27 @@ class QemuRuntime(Runtime):
         accel = AccelChoice(plan.accel, host.reason if plan.accel == host.accel
                             else f"restored from a {plan.accel} snapshot")
         spec = plan.spec
-        fd = os.open(plan.device_state, os.O_RDONLY | os.O_CLOEXEC)
+        jail = await self._jail(spec.vm_id, spec.workdir, spec.vcpus, spec.memory_mib, accel,
+                                overrides.limits, SnapshotError)
         try:
-            argv = await self._argv(spec, accel, binary, restore=True)
-            manifest = {
-                "vm_id": spec.vm_id, "runtime": self.name, "accel": accel.accel,
-                "accel_reason": accel.reason, "argv": argv, "created_at": time.time(),
-                "machine": plan.manifest.vm, "restored_from": str(snapshot_dir),
-            }
-            (spec.workdir / wd.MANIFEST).write_text(json.dumps(manifest, indent=1))
-            t0 = time.monotonic()
-            process = await asyncio.to_thread(self._spawn, argv, spec.workdir,
-                                              spec.workdir / wd.VMM_LOG, (fd,))
-        finally:
-            os.close(fd)
+            fd = os.open(plan.device_state, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                argv = await self._argv(spec, accel, binary, jail=jail, restore=True)
+                manifest = {
+                    "vm_id": spec.vm_id, "runtime": self.name, "accel": accel.accel,
+                    "accel_reason": accel.reason, "argv": argv, "created_at": time.time(),
+                    "machine": plan.manifest.vm, "restored_from": str(snapshot_dir),
+                    "confinement": jail.record(),
+                }
+                (spec.workdir / wd.MANIFEST).write_text(json.dumps(manifest, indent=1))
+                t0 = time.monotonic()
+                process = await asyncio.to_thread(self._spawn, jail.wrap(argv), spec.workdir,
+                                                  spec.workdir / wd.VMM_LOG, (fd,))
+            finally:
+                os.close(fd)
+        except BaseException:
+            await asyncio.to_thread(jail.release)
+            raise
         timings = {"prepare": t0 - t_prep}
         try:
             qmp = await self._connect_qmp(spec, process)
@@ -409,6 +460,7 @@ class QemuRuntime(Runtime):
             timings["running"] = time.monotonic() - t0
         except BaseException as e:
             self._kill(process)
+            await asyncio.to_thread(jail.release)
             tail = wd.tail(spec.workdir / wd.VMM_LOG)
             if isinstance(e, SnapshotError):
                 e.vmm_log_tail = e.vmm_log_tail or tail
@@ -419,7 +471,7 @@ class QemuRuntime(Runtime):
             raise
         vm = QemuVM(vm_id=spec.vm_id, workdir=spec.workdir, accel=accel, pid=process.pid,
                     process=process, qmp=qmp, started_at=t0, boot_timings=timings,
-                    max_chain=self._max_chain)
+                    max_chain=self._max_chain, jail=jail)
         log.info(
             "restored %s from %s in %.0f ms (memory %.0f, loaded %.0f; pid %d)", spec.vm_id,
             snapshot_dir, timings["running"] * 1000,
@@ -466,6 +518,7 @@ class QemuRuntime(Runtime):
             raise
         accel = AccelChoice(manifest["accel"], manifest["accel_reason"])
         log.info("attached %s (pid %d)", vm_id, pid, extra={"vm_id": vm_id, "op": "attach"})
+        jail = Jail.from_record(vm_id, workdir, manifest.get("confinement"))
         return QemuVM(vm_id=vm_id, workdir=workdir, accel=accel, pid=pid, process=None,
                       qmp=qmp, started_at=time.monotonic(), pidfd=pidfd,
-                      max_chain=self._max_chain)
+                      max_chain=self._max_chain, jail=jail)

@@ -16,6 +16,10 @@ code that must survive a host crash fsyncs what it keeps. ``aio=io_uring`` where
 offers it (fewer syscalls and no thread pool per request), else ``aio=threads``; ``native``
 is not an option because it needs O_DIRECT, which would bypass the shared page cache.
 ``discard=unmap`` + ``detect-zeroes=unmap`` let a guest's fstrim shrink its overlay.
+``auto-read-only=off`` (``-drive`` defaults it on): a writable drive is opened read-write
+at start-up, while QEMU is still root and outside its chroot; with it on, a restore opens
+the drive read-only while the migration is incoming and re-opens it by name to activate
+it, which a confined QEMU may not (``aenv.runtime.confine``).
 
 A restore (``restore=True``) differs only where ``aenv.runtime.qemu_snapshot`` needs it to:
 guest RAM maps the snapshot's base image ``base-memory`` with ``share=off`` (copy-on-write),
@@ -28,6 +32,7 @@ afterwards (``-S``). ``send-configuration=off`` because the state is written by
 from __future__ import annotations
 
 import shlex
+from collections.abc import Sequence
 from pathlib import Path
 
 from . import workdir as wd
@@ -79,8 +84,15 @@ def build_argv(
     aio: str = "threads",
     nsenter: str = "nsenter",
     restore: bool = False,
+    tcg_tb_mib: int | None = None,
+    confine: Sequence[str] = (),
 ) -> list[str]:
     """The full argv, including the ``nsenter`` prefix when the spec names a netns.
+
+    ``tcg_tb_mib`` sizes TCG's translation cache (QEMU's default is 1 GiB, filled as the
+    guest runs new code and never given back: a guest could grow its VMM by that much);
+    ``confine`` are the ``aenv.runtime.confine`` options (seccomp, chroot, uid), appended
+    last. Neither changes what the guest sees.
 
     The netns is entered with ``nsenter --net=…`` rather than ``ip netns exec`` (which also
     unshares a mount namespace and remounts /sys for the VMM) or a ``preexec_fn`` (Python code
@@ -94,7 +106,8 @@ def build_argv(
     argv += [binary, "-nodefaults", "-no-user-config", "-nographic"]
     if spec.memory_file is not None:
         machine += ",memory-backend=mem"
-    argv += ["-M", machine, "-accel", accel, "-cpu", "host" if accel == "kvm" else "max"]
+    accel_opt = f"tcg,tb-size={tcg_tb_mib}" if accel == "tcg" and tcg_tb_mib else accel
+    argv += ["-M", machine, "-accel", accel_opt, "-cpu", "host" if accel == "kvm" else "max"]
     argv += ["-smp", str(spec.vcpus), "-m", f"{spec.memory_mib}M"]
     if spec.memory_file is not None:
         mem_path, share = (wd.BASE_MEMORY, "off") if restore else (wd.MEMORY, "on")
@@ -117,6 +130,7 @@ def build_argv(
             f"format={drive.format}",
             "if=none",
             "cache=unsafe",
+            "auto-read-only=off",
             f"aio={aio}",
         ]
         opts += ["readonly=on"] if drive.read_only else ["discard=unmap", "detect-zeroes=unmap"]
@@ -132,6 +146,7 @@ def build_argv(
     argv += ["-qmp", f"unix:{wd.QMP_SOCKET},server=on,wait=off", "-pidfile", wd.PIDFILE]
     if restore:
         argv += ["-S", "-incoming", "defer", "-global", "migration.send-configuration=off"]
+    argv += confine
     return argv
 
 

@@ -53,6 +53,13 @@ file mapped ``share=on`` would make pause O(1) with no diff at all, but needs XF
 The VM's working directory records which snapshot it derives from and its active drive
 files in ``lineage.json``, so a snapshot after a server restart (``attach``) is still
 incremental.
+
+Confinement (``aenv.runtime.confine``): QEMU runs as its own uid in a chroot of its working
+directory, so it opens nothing by a host path after its start-up. The device state is
+written to a file descriptor the driver opens and passes (``add-fd``, then
+``/dev/fdset/N``); the overlay a running snapshot switches to is created in the working
+directory and given to the VM's uid before ``blockdev-snapshot-sync`` opens it by its
+fixed name. Every file that leaves the VM for a snapshot is given back to root.
 """
 
 from __future__ import annotations
@@ -83,6 +90,7 @@ from .base import (
     VMError,
     VMSpec,
 )
+from .confine import Jail
 
 if TYPE_CHECKING:
     from .qemu import QemuVM
@@ -181,7 +189,7 @@ class _DrivePlan:
 
 def _plan_drives(workdir: Path, machine: dict[str, Any], lineage: Lineage,
                  parent: snap.Manifest | None, directory: Path, *, stop: bool,
-                 incremental: bool, max_chain: int) -> list[_DrivePlan]:
+                 incremental: bool, max_chain: int, jail: Jail) -> list[_DrivePlan]:
     """Decide what happens to each drive, and make the overlays a running VM will switch
     to, before the freeze (qemu-img takes ~20 ms a call)."""
     plans = []
@@ -210,6 +218,7 @@ def _plan_drives(workdir: Path, machine: dict[str, Any], lineage: Lineage,
             new = workdir / p.new_top
             new.unlink(missing_ok=True)
             snap.create_overlay(new, directory / p.file, "qcow2", info.virtual_size)
+            jail.give(new)  # QEMU opens it after it dropped root
         plans.append(p)
     return plans
 
@@ -324,6 +333,29 @@ async def _switch_drive(vm: QemuVM, p: _DrivePlan, staging: Path) -> None:
         snap.copy_sparse(p.top, dest)  # snapshots on another filesystem: a real copy
     await vm._execute("blockdev-snapshot-sync", {"device": p.id, "snapshot-file": p.new_top,
                                                  "format": "qcow2", "mode": "existing"})
+    # The frozen top is the snapshot's now; the VM keeps its open fd, read-only from here.
+    Jail.take_back(dest)
+
+
+async def _save_device_state(vm: QemuVM, path: Path) -> None:
+    """``xen-save-devices-state`` into ``path`` through a passed fd: a confined QEMU can
+    neither see nor create ``path``. The fd joins a QEMU fd set for the one command."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    fdset: int | None = None
+    try:
+        vm._qmp.send_fd_scm(fd)
+        reply = await vm._execute("add-fd", {})
+        fdset = int(reply["fdset-id"])  # type: ignore[index]
+        await vm._execute("xen-save-devices-state",
+                          {"filename": f"/dev/fdset/{fdset}", "live": False})
+    finally:
+        os.close(fd)
+        if fdset is not None and vm.is_alive():
+            try:
+                await vm._execute("remove-fd", {"fdset-id": fdset})
+            except VMError:
+                pass  # the set goes with the VMM; a leak of one fd at worst
 
 
 async def _frozen(vm: QemuVM) -> bool:
@@ -344,6 +376,7 @@ def _take_drive(p: _DrivePlan, staging: Path) -> None:
         if e.errno != errno.EXDEV:
             raise
         snap.copy_sparse(p.top, staging / p.file)
+    Jail.take_back(staging / p.file)
 
 
 def _flatten(p: _DrivePlan, staging: Path, *, shared: bool) -> None:
@@ -382,7 +415,7 @@ async def capture(vm: QemuVM, directory: Path, *, stop: bool, incremental: bool,
     try:
         plans = await asyncio.to_thread(_plan_drives, vm.workdir, machine, lineage, parent,
                                         directory, stop=stop, incremental=incremental,
-                                        max_chain=max_chain)
+                                        max_chain=max_chain, jail=vm.jail)
         phases["plan"] = time.monotonic() - t0
         was_running = await vm.status() == "running"
         t_stop = time.monotonic()
@@ -390,8 +423,7 @@ async def capture(vm: QemuVM, directory: Path, *, stop: bool, incremental: bool,
             await vm._execute("stop")
         mem: _MemoryResult | None = None
         try:
-            await vm._execute("xen-save-devices-state",
-                              {"filename": str(staging / snap.DEVICE_STATE), "live": False})
+            await _save_device_state(vm, staging / snap.DEVICE_STATE)
             phases["device_state"] = time.monotonic() - t_stop
             if lineage.memory == "private":
                 assert parent is not None

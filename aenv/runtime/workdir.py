@@ -10,7 +10,7 @@ Guest RAM lives on tmpfs (``/dev/shm``) when the host has one: a ``share=on`` ma
 file on a disk filesystem would make the host write every page the guest dirties back to disk,
 while tmpfs keeps it in memory and can still be mapped copy-on-write by a restore. Without a
 tmpfs the file sits in the working directory. The file is made afresh for every boot, mode
-0600 and owned by root (the VMM opens it at its start), with ``O_EXCL``
+0600 and owned by root (the VMM opens it before it drops to its own uid), with ``O_EXCL``
 and without following a symlink: ``/dev/shm`` is writable by every local user, and a link
 or file planted under the name must neither become guest RAM nor get truncated.
 """
@@ -22,6 +22,7 @@ import shutil
 import stat
 from pathlib import Path
 
+from . import confine
 from .base import Drive, VMError, VMSpec
 
 KERNEL = "kernel"
@@ -108,7 +109,12 @@ def create_memory_file(path: Path, size: int) -> None:
 
 
 def remove(workdir: Path) -> None:
-    """Delete a working directory and the guest-RAM file its ``memory`` link points to."""
+    """Delete a working directory and the guest-RAM file its ``memory`` link points to, and
+    release the VMM's confinement (cgroup, uid: ``aenv.runtime.confine``) if nobody did;
+    call it once the VMM is gone."""
+    record = confine.read_record(workdir)
+    if record:
+        confine.Jail.from_record(workdir.name, workdir, record).release()
     mem = workdir / MEMORY
     if mem.is_symlink():
         Path(os.readlink(mem)).unlink(missing_ok=True)
