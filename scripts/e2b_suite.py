@@ -61,9 +61,9 @@ sys.path.insert(0, str(ROOT))
 from aenv.config import Settings  # noqa: E402
 
 KNOWN_FILE = ROOT / "scripts/e2b_suite_known.toml"
-# Host objects of this server are named aenvst-*; its slots come from these /24s, apart
+# Host objects of this server are named aenves-*; its slots come from these /24s, apart
 # from the defaults (10.11/10.12) and the end-to-end tests' (10.15/10.16).
-PREFIX = "aenvst"
+PREFIX = "aenves"
 HOST_CIDR = "10.47.0.0/24"
 VETH_CIDR = "10.48.0.0/24"
 # The suites run in a network namespace of their own whose only way out is a veth to the
