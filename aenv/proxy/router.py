@@ -9,6 +9,19 @@ open"); the SDKs classify errors by those phrases.
 Each running sandbox gets its own upstream connection pool keyed by the VM's identity, so
 a keep-alive connection can never reach a newer VM that reuses the same address.
 
+A sandbox that stops (``forget``, called when its VM is gone) or an upstream connection
+that fails mid-response ends the client's response the way E2B's proxy does: E2B resets
+every connection to a removed sandbox (``SetLinger(0)``) and Go's reverse proxy then aborts
+the response it was streaming, which over HTTP/2 is a stream reset. Over HTTP/1.1 the same
+signal is a TCP reset of the client's connection, and that is what the proxy sends. The
+SDKs take a reset, then envd's ``/health`` answering 502 "…was not found", as "the sandbox
+was killed or reached its end of life while the request was in flight". Anything else
+reads differently: a plain close before the last chunk gives E2B Python 2.45 (the version
+of E2B's own test suite) "unexpected EOF during chunk size line: …likely due to sandbox
+timeout", and an end-of-stream frame with an ``unavailable`` error gives that in JS 2.51
+too. The event is logged as one line, without a traceback. Before the status line is sent
+the client gets the 502 JSON above. WebSockets to a stopped sandbox are closed with 1011.
+
 Paths: the proxy checks a path once and forwards exactly the bytes it checked
 (``upstream_path``). It never re-normalises them, so what envd routes is what was checked.
 Paths with a ``.`` or ``..`` segment (also percent-encoded) are refused with 404 on every
@@ -25,6 +38,8 @@ import asyncio
 import hmac
 import logging
 import re
+import socket
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from urllib.parse import quote, unquote
@@ -139,6 +154,7 @@ class ProxyRouter:
         self.connect_timeout = connect_timeout
         self._clients: dict[str, tuple[str, httpx.AsyncClient]] = {}
         self._closing: set[asyncio.Task] = set()
+        self._websockets: dict[str, set[websockets.ClientConnection]] = {}
 
     async def close(self) -> None:
         for _, client in self._clients.values():
@@ -146,10 +162,16 @@ class ProxyRouter:
         self._clients.clear()
 
     async def forget(self, sandbox_id: str) -> None:
-        """Drop the sandbox's pooled connections (it stopped or moved)."""
+        """The sandbox stopped or moved: close its upstream connections, in use or not.
+
+        Responses still streaming from it end at once (see the module docstring) instead of
+        waiting on a connection to a VM that will never answer again.
+        """
         entry = self._clients.pop(sandbox_id, None)
         if entry:
             await entry[1].aclose()
+        for ws in self._websockets.pop(sandbox_id, set()):
+            ws.transport.abort()
 
     def _client(self, route: Route) -> httpx.AsyncClient:
         entry = self._clients.get(route.sandbox_id)
@@ -220,10 +242,15 @@ class ProxyRouter:
         )
         try:
             upstream = await client.send(request, stream=True)
-        except httpx.ConnectError:
-            return await _answer(send, *port_closed(route.sandbox_id, port))
         except httpx.HTTPError as e:
-            log.info("sandbox %s: upstream failed before a response: %s", route.sandbox_id, e)
+            if client.is_closed:  # forget() ran meanwhile: the sandbox stopped or moved
+                log.info("sandbox %s: stopped before it answered %s", route.sandbox_id,
+                         scope["path"])
+            elif isinstance(e, httpx.ConnectError):
+                return await _answer(send, *port_closed(route.sandbox_id, port))
+            else:
+                log.info("sandbox %s: upstream failed before a response: %s",
+                         route.sandbox_id, e)
             return await _answer(send, *not_found(route.sandbox_id))
         try:
             # Raw (still content-encoded) bytes are relayed, so the upstream length holds.
@@ -231,11 +258,30 @@ class ProxyRouter:
                            if k.lower() not in _HOP_BY_HOP or k.lower() == b"content-length"]
             await send({"type": "http.response.start", "status": upstream.status_code,
                         "headers": out_headers})
-            async for chunk in upstream.aiter_raw():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            try:
+                async for chunk in upstream.aiter_raw():
+                    await send({"type": "http.response.body", "body": chunk,
+                                "more_body": True})
+            except (httpx.HTTPError, httpx.StreamError) as e:
+                self._log_lost(route, client, upstream, e)
+                return await _reset_client(send)
             await send({"type": "http.response.body", "body": b""})
         finally:
             await upstream.aclose()
+
+    @staticmethod
+    def _log_lost(route: Route, client: httpx.AsyncClient, upstream: httpx.Response,
+                  error: Exception) -> None:
+        """One line for an upstream that failed after the status line went out."""
+        what = (f"{upstream.request.url.path} "
+                f"({upstream.headers.get('content-type', '').split(';')[0] or 'no type'})")
+        if client.is_closed:  # forget() ran: the sandbox stopped or moved
+            log.info("sandbox %s: stopped while streaming %s; resetting the client's "
+                     "connection", route.sandbox_id, what)
+        else:
+            log.warning("sandbox %s: upstream connection lost while streaming %s (%s: %s); "
+                        "resetting the client's connection", route.sandbox_id, what,
+                        type(error).__name__, error)
 
     async def _websocket(self, scope: Scope, receive: Receive, send: Send, route: Route,
                          port: int, path: bytes) -> None:
@@ -252,6 +298,8 @@ class ProxyRouter:
         except (TimeoutError, OSError, websockets.InvalidHandshake):
             await send({"type": "websocket.close", "code": 1011})
             return
+        live = self._websockets.setdefault(route.sandbox_id, set())
+        live.add(upstream)
         await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
 
         async def client_to_upstream() -> None:
@@ -266,14 +314,21 @@ class ProxyRouter:
                     await upstream.send(msg["text"])
 
         async def upstream_to_client() -> None:
+            code = 1011
             try:
                 async for data in upstream:
                     if isinstance(data, bytes):
                         await send({"type": "websocket.send", "bytes": data})
                     else:
                         await send({"type": "websocket.send", "text": data})
+                code = upstream.close_code or 1000
+            except websockets.ConnectionClosedError:
+                log.info("sandbox %s: websocket to port %d lost (sandbox stopped or "
+                         "connection reset)", route.sandbox_id, port)
             finally:
-                await send({"type": "websocket.close", "code": upstream.close_code or 1000})
+                # 1005 (no code) and 1006 (no close frame) are never sent on the wire.
+                await send({"type": "websocket.close",
+                            "code": {1005: 1000, 1006: 1011}.get(code, code)})
 
         tasks = [asyncio.create_task(client_to_upstream()),
                  asyncio.create_task(upstream_to_client())]
@@ -282,7 +337,33 @@ class ProxyRouter:
         finally:
             for t in tasks:
                 t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            live.discard(upstream)
+            if not live and self._websockets.get(route.sandbox_id) is live:
+                del self._websockets[route.sandbox_id]
             await upstream.close()
+
+
+async def _reset_client(send: Send) -> None:
+    """End the response in progress with a TCP reset of the client's connection.
+
+    ASGI cannot say "abort"; an app that returns before the body's end makes the server
+    close the connection, which is a plain FIN. So the connection's socket is set to linger
+    0 and its transport aborted (found through uvicorn's ``send``, a method of the request
+    cycle that holds the transport). One yield lets the server see the connection lost, so
+    it does not log the incomplete response as its own error. Any other server: the
+    early return alone, a close instead of a reset.
+    """
+    transport = getattr(getattr(send, "__self__", None), "transport", None)
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None:
+        return
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass  # already closed
+    transport.abort()
+    await asyncio.sleep(0)
 
 
 async def _request_body(receive: Receive) -> AsyncIterator[bytes]:
