@@ -160,6 +160,17 @@ class QemuVM(VM):
         # Not our child (attached): its pidfd polls readable once it has exited.
         return not select.select([self._pidfd], [], [], 0)[0]
 
+    def send_fd(self, fd: int) -> None:
+        """Hand ``fd`` to QEMU over the QMP socket (SCM_RIGHTS), for the next ``add-fd`` or
+        ``getfd``. qemu.qmp's own ``send_fd_scm`` reaches into asyncio's socket wrapper,
+        which uvloop (the server's event loop) does not have; sending on a duplicate of the
+        socket's descriptor works under both (the library keeps no public handle on it)."""
+        if not self.is_alive():
+            raise VMExitedError(f"VMM of {self.vm_id} has exited", vm_id=self.vm_id)
+        sock = self._qmp._writer.transport.get_extra_info("socket")  # type: ignore[union-attr]
+        with socket.socket(fileno=os.dup(sock.fileno())) as raw:
+            socket.send_fds(raw, [b" "], [fd])
+
     async def _execute(self, cmd: str, args: dict[str, object] | None = None) -> object:
         if not self.is_alive():
             raise VMExitedError(f"VMM of {self.vm_id} has exited", vm_id=self.vm_id)

@@ -344,7 +344,7 @@ async def _save_device_state(vm: QemuVM, path: Path) -> None:
                  0o600)
     fdset: int | None = None
     try:
-        vm._qmp.send_fd_scm(fd)
+        vm.send_fd(fd)
         reply = await vm._execute("add-fd", {})
         fdset = int(reply["fdset-id"])  # type: ignore[index]
         await vm._execute("xen-save-devices-state",
