@@ -10,7 +10,7 @@ building one with the CA bundle costs ~16-20 ms of event-loop time, which every 
 paid before.
 
 The clients ignore proxy environment variables, which must never capture traffic meant
-for a sandbox.
+for a sandbox. The server's connections are marked as its own (``plain_client``).
 """
 
 from __future__ import annotations
@@ -40,5 +40,16 @@ def tls_verification() -> ssl.SSLContext | bool:
 
 
 def plain_client(**options: Any) -> httpx.AsyncClient:
-    options.setdefault("verify", tls_verification())
-    return httpx.AsyncClient(trust_env=False, **options)
+    """An async client for guests and local services. As root (the server) its TCP
+    connections carry ``network.access.SERVER_MARK``, which the host firewall asks of
+    every new connection to a sandbox's host address when the pool is ``server_only``;
+    other processes cannot set the mark, so they keep plain sockets."""
+    verify = options.pop("verify", tls_verification())
+    if os.geteuid() != 0:
+        return httpx.AsyncClient(trust_env=False, verify=verify, **options)
+    from ..network.access import sandbox_transport
+
+    limits = options.pop("limits", httpx.Limits(max_connections=100,
+                                                 max_keepalive_connections=20))
+    return httpx.AsyncClient(trust_env=False, **options,
+                             transport=sandbox_transport(verify=verify, limits=limits))
