@@ -36,7 +36,7 @@ import os
 import re
 import signal
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -338,10 +338,10 @@ class Hierarchies:
             yield VMCgroup(name, tuple(dirs))
 
 
-def sweep(hierarchies: Hierarchies, keep: Iterable[str], owned: callable,  # type: ignore[valid-type]
+def sweep(hierarchies: Hierarchies, keep: Iterable[str], owned: Callable[[int, str], bool],
           min_age_s: float = 60.0) -> tuple[list[str], list[str]]:
     """Remove the VM cgroups a crashed run left under the parent, except ``keep``. A cgroup
-    with processes is killed and removed only when ``owned(pid)`` says a process is ours
+    with processes is killed and removed only when ``owned(pid, name)`` says each is ours
     (its VMM ran from our working directories); an empty one only once it is older than
     ``min_age_s`` (another server with the same prefix may be about to spawn into it).
     Returns (removed, left) names."""
@@ -353,7 +353,7 @@ def sweep(hierarchies: Hierarchies, keep: Iterable[str], owned: callable,  # typ
             continue
         pids = cg.pids()
         if pids:
-            if not all(owned(p) for p in pids):
+            if not all(owned(p, cg.vm_id) for p in pids):
                 left.append(cg.vm_id)
                 continue
             cg.kill()

@@ -7,10 +7,11 @@ spawn (``wrap``), records it in the VM's manifest (``record``) and calls ``relea
 the VMM has exited (``workdir.remove`` does too, for VMs that died unseen).
 
 What a jailed QEMU gets (``Confinement`` says which parts are on):
-- **its own uid and gid**, one per VM, from a range no account uses (``UID_BASE``:
-  1879048192 = 0x70000000, the start of the range systemd's UIDS-GIDS.md lists as
-  unused, above the container ranges, below the signedness trouble at 2^31). A uid per
-  VM rather than one shared ``aenv-vmm`` user: processes of one uid may signal each other
+- **its own uid**, one per VM, from a range no account uses (from ``UID_BASE``,
+  0x70000001: the range systemd's UIDS-GIDS.md lists as unused starts at 1879048192 =
+  0x70000000, above the container ranges, below the signedness trouble at 2^31), and the
+  group all VMMs share (``VMM_GID`` = 0x70000000; see there why). A uid per VM rather
+  than one shared ``aenv-vmm`` user: processes of one uid may signal each other
   (``kill`` is in no seccomp profile QEMU offers), so a shared uid would let a compromised
   VMM kill every other sandbox. No passwd entry is needed (``-runas uid:gid``); the
   allocation is a file per uid under ``ids_dir`` (``/run``: gone at reboot, like the VMMs),
@@ -63,8 +64,13 @@ from .cgroups import CgroupError, Hierarchies, Limits, VMCgroup, sweep
 
 log = logging.getLogger("aenv.runtime")
 
-UID_BASE = 0x7000_0000
-UID_COUNT = 65536
+# The group of every VMM (no /etc/group entry needed): it owns the network slots' taps
+# (SlotPool tap_gid), so that a VMM that opens its tap after dropping root (Firecracker
+# under its jailer) may attach to it, and it may read snapshot files the server shares
+# with VMMs (mode 0640 root:VMM_GID). Each VMM sees only its own tap, in its own netns.
+VMM_GID = 0x7000_0000
+UID_BASE = VMM_GID + 1
+UID_COUNT = 65535
 IDS_DIR = Path("/run/aenv-vmm-ids")
 QEMU_SECCOMP = "on,obsolete=deny,spawn=deny,resourcecontrol=deny"
 # Memory a VMM needs beyond guest RAM (measured under QEMU 7.2, 512 MiB guest, TCG: ~40 MiB
@@ -105,6 +111,7 @@ class Confinement:
     cgroup_parent: str | None = None
     uid_base: int = UID_BASE
     uid_count: int = UID_COUNT
+    vmm_gid: int = VMM_GID
     ids_dir: Path = IDS_DIR
 
     def __post_init__(self) -> None:
@@ -112,6 +119,8 @@ class Confinement:
             raise ValueError(f"cgroups must be auto, required or off: {self.cgroups!r}")
         if not self.uid_base > 0 or self.uid_base + self.uid_count > 0x8000_0000:
             raise ValueError("the VMM uid range must lie within 1..2^31-1")
+        if self.uid_base <= self.vmm_gid < self.uid_base + self.uid_count:
+            raise ValueError("the VMM group must not be one of the VMM uids")
 
     @classmethod
     def off(cls) -> Confinement:
@@ -123,7 +132,11 @@ class Confinement:
         """This server's policy: its name prefix, defaults otherwise."""
         return cls(prefix=settings.name_prefix, **kw)
 
-    def hierarchies(self) -> Hierarchies:
+    def hierarchies(self, *, at_root: bool = False) -> Hierarchies:
+        """Where this policy's VM cgroups go; ``at_root``: under each hierarchy's root (or
+        ``cgroup_parent``) even on v1 (see ``prepare``)."""
+        if at_root:
+            return _hierarchies(self.prefix, self.cgroup_parent or "")
         return _hierarchies(self.prefix, self.cgroup_parent)
 
 
@@ -261,22 +274,26 @@ def read_record(workdir: Path) -> dict[str, Any] | None:
 
 
 def prepare(conf: Confinement, vm_id: str, workdir: Path, *, vcpus: int, memory_mib: int,
-            tcg_tb_mib: int | None = None, overrides: VMLimits | None = None) -> Jail:
+            tcg_tb_mib: int | None = None, overrides: VMLimits | None = None,
+            cgroup_at_root: bool = False) -> Jail:
     """Reserve a uid and make the cgroup for one VM (blocking: call it in a thread).
-    Raises ``ConfinementError`` with nothing reserved when a required part fails."""
+    Raises ``ConfinementError`` with nothing reserved when a required part fails.
+    ``cgroup_at_root``: the tree goes at each hierarchy's root (or ``cgroup_parent``) even
+    on v1, for a spawner that takes one parent path for all hierarchies (the jailer)."""
     root = os.geteuid() == 0
     jail = Jail(vm_id, workdir, seccomp=conf.seccomp, ids_dir=conf.ids_dir)
     if not root and (conf.unprivileged or conf.chroot or conf.cgroups == "auto"):
         _warn_once("aenv is not running as root: VMMs run with seccomp only (no uid of "
                    "their own, no chroot, no cgroup)")
     if root and conf.unprivileged:
-        jail.uid = jail.gid = _reserve_uid(conf, vm_id, workdir)
+        jail.uid = _reserve_uid(conf, vm_id, workdir)
+        jail.gid = conf.vmm_gid
     jail.chroot = root and conf.chroot
     if conf.cgroups == "off" or (not root and conf.cgroups == "auto"):
         return jail
     limits = limits_for(vcpus, memory_mib, tcg_tb_mib=tcg_tb_mib, overrides=overrides)
     try:
-        hierarchies = conf.hierarchies()
+        hierarchies = conf.hierarchies(at_root=cgroup_at_root)
         if not hierarchies.hierarchies:
             raise CgroupError("this host mounts none of the memory, cpu, pids and io "
                               "controllers")
@@ -301,18 +318,34 @@ def cleanup_leftovers(conf: Confinement, vms_dir: Path, keep: Iterable[str] = ()
     keep = set(keep)
     root = str(vms_dir.resolve()) + os.sep
 
-    def ours(pid: int) -> bool:
+    def ours(pid: int, name: str) -> bool:
+        """The process runs from our working directory ``name``: its cwd is there, or (a
+        jailed VMM, whose cwd the host cannot name) it is the root of that VM's jail."""
         try:
-            return (os.readlink(f"/proc/{pid}/cwd") + os.sep).startswith(root)
+            if (os.readlink(f"/proc/{pid}/cwd") + os.sep).startswith(root):
+                return True
+            cwd = os.stat(f"/proc/{pid}/cwd")
         except OSError:
             return True  # already gone
+        for jail_root in (vms_dir / name).glob(f"jail/*/{name}/root"):
+            try:
+                st = jail_root.stat()
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) == (cwd.st_dev, cwd.st_ino):
+                return True
+        return False
 
     report: dict[str, list[str]] = {"cgroups_removed": [], "cgroups_left": [],
                                     "uids_freed": []}
     if conf.cgroups != "off" and os.geteuid() == 0:
         try:
-            removed, left = sweep(conf.hierarchies(), keep, ours)
-            report["cgroups_removed"], report["cgroups_left"] = removed, left
+            trees = {tuple(h.parent_dirs()): h for h in (
+                conf.hierarchies(), conf.hierarchies(at_root=True))}
+            for h in trees.values():
+                removed, left = sweep(h, keep, ours)
+                report["cgroups_removed"] += removed
+                report["cgroups_left"] += left
         except CgroupError as e:
             log.warning("cgroup leftovers not checked: %s", e)
     report["uids_freed"] = _sweep_uids(conf.ids_dir, vms_dir, keep)

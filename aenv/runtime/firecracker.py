@@ -31,6 +31,14 @@ and AT-keyboard drivers, which the small guest kernel (``kconfig/small.txt``) do
 and a guest shutdown would buy nothing (a sandbox disk is discarded or captured by a
 snapshot, and Firecracker's writes are in the host page cache either way).
 
+Jailer (``aenv.runtime.firecracker_jail``): when a ``jailer`` binary is given or on PATH and
+the server is root, Firecracker is started through it: its own uid, the VMM group, a chroot
+of ``<workdir>/jail/firecracker/<id>/root`` holding hard links of what it opens (under the
+same fixed names, so every request path stays the same), a cgroup made beforehand with the
+VM's limits (``aenv.runtime.confine``), the slot's netns and resource limits. Snapshots are
+written inside the jail and moved out; a restore links the snapshot's files in. Without a
+jailer Firecracker runs as the server does (logged once).
+
 Drives must be raw files: Firecracker has no qcow2, so a spec with a qcow2 drive is refused
 before anything starts (``create_disk`` makes raw disks only where the data directory can
 reflink, e.g. XFS or btrfs). Guest RAM is always Firecracker's own anonymous memory;
@@ -46,11 +54,14 @@ import os
 import shutil
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..storage import snapshots
+from . import confine
 from . import firecracker_api as fc
+from . import firecracker_jail as fj
 from . import firecracker_snapshot as fcsnap
 from . import workdir as wd
 from .base import (
@@ -65,8 +76,11 @@ from .base import (
     SnapshotInfo,
     VMError,
     VMExitedError,
+    VMLimits,
     VMSpec,
 )
+from .cgroups import VMCgroup
+from .confine import Confinement, Jail
 from .kvm import AccelChoice, host_accel
 from .qemu_args import netns_path
 from .vmm_process import NotOurProcessError, VMMProcess
@@ -75,6 +89,7 @@ log = logging.getLogger("aenv.runtime")
 
 BINARY = "firecracker"
 API_SOCKET = "firecracker.sock"
+_JAIL_SNAPSHOT = "snapshot"  # where a jailed Firecracker writes a snapshot (in its root)
 METRICS = "metrics.json"
 IFACE_ID = "eth0"
 API_TIMEOUT = 5.0  # seconds from spawn until the API socket must answer
@@ -153,6 +168,27 @@ def _rel(path: Path, workdir: Path) -> str:
     return os.path.relpath(path.resolve(), workdir.resolve())
 
 
+@dataclass
+class _Launch:
+    """How one Firecracker is started: its argv, where its API socket appears, its jail
+    (released when it ends) and the directory its relative paths resolve in (its cwd: the
+    working directory, or the jail root)."""
+
+    argv: list[str]
+    api_socket: Path
+    jail: Jail
+    root: Path
+    jailed: bool
+
+    def path(self, host: Path, name: str, workdir: Path, *, own: bool) -> str:
+        """``host`` as Firecracker names it: relative to the working directory, or linked
+        into the jail as ``name``."""
+        if not self.jailed:
+            return _rel(host, workdir)
+        fj.expose(host, self.root / name, self.jail, own=own)
+        return name
+
+
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=1))
@@ -166,7 +202,8 @@ class FirecrackerVM(VM):
 
     def __init__(self, *, vm_id: str, workdir: Path, process: VMMProcess,
                  api: fc.FirecrackerAPI, record: dict[str, Any], started_at: float,
-                 boot_timings: dict[str, float] | None = None) -> None:
+                 boot_timings: dict[str, float] | None = None, jail: Jail | None = None,
+                 root: Path | None = None) -> None:
         self.vm_id = vm_id
         self.workdir = workdir
         self.accel = "kvm"
@@ -177,6 +214,8 @@ class FirecrackerVM(VM):
         self._process = process
         self._api = api
         self._record = record  # the working directory's vm.json
+        self.jail = jail or Jail(vm_id, workdir, released=True)
+        self._root = root or workdir  # Firecracker's cwd
 
     @property
     def pid(self) -> int:
@@ -255,14 +294,15 @@ class FirecrackerVM(VM):
             # committed, no snapshot is a valid base for a diff.
             self._set_memory_parent(None)
             t = time.monotonic()
+            paths = await asyncio.to_thread(self._snapshot_paths, staging)
             try:
-                await self._call(fc.create_snapshot(
-                    _rel(staging / fcsnap.VMSTATE, self.workdir),
-                    _rel(staging / fcsnap.MEMORY, self.workdir), plan.snapshot_type),
-                    timeout=SNAPSHOT_TIMEOUT)
+                await self._call(fc.create_snapshot(*paths, plan.snapshot_type),
+                                 timeout=SNAPSHOT_TIMEOUT)
             except fc.FirecrackerAPIError:
                 self._set_memory_parent(parent_dir)  # a failed create changes nothing
                 raise
+            finally:
+                await asyncio.to_thread(self._snapshot_out, staging)
             phases["create"] = time.monotonic() - t
             t = time.monotonic()
             drives, disk_bytes = await asyncio.to_thread(self._capture_drives, staging)
@@ -322,6 +362,32 @@ class FirecrackerVM(VM):
                              vm_id=self.vm_id, vm_lost=lost,
                              vmm_log_tail=wd.tail(self.workdir / wd.VMM_LOG))
 
+    def _snapshot_paths(self, staging: Path) -> tuple[str, str]:
+        """Where ``/snapshot/create`` writes, as Firecracker names it. Jailed, that is a
+        directory in its jail (a merged diff's clone of the parent memory moved in and
+        given to its uid first); ``_snapshot_out`` moves the files to ``staging``."""
+        if self._root == self.workdir:
+            return (_rel(staging / fcsnap.VMSTATE, self.workdir),
+                    _rel(staging / fcsnap.MEMORY, self.workdir))
+        inner = self._root / _JAIL_SNAPSHOT
+        shutil.rmtree(inner, ignore_errors=True)
+        inner.mkdir()
+        self.jail.give(inner, 0o700)
+        if (staging / fcsnap.MEMORY).exists():
+            fj.move_out(staging / fcsnap.MEMORY, inner / fcsnap.MEMORY)
+            self.jail.give(inner / fcsnap.MEMORY, 0o600)
+        return (f"{_JAIL_SNAPSHOT}/{fcsnap.VMSTATE}", f"{_JAIL_SNAPSHOT}/{fcsnap.MEMORY}")
+
+    def _snapshot_out(self, staging: Path) -> None:
+        if self._root == self.workdir:
+            return
+        inner = self._root / _JAIL_SNAPSHOT
+        for name in (fcsnap.VMSTATE, fcsnap.MEMORY):
+            if (inner / name).exists():
+                fj.move_out(inner / name, staging / name)
+                fj.take_back_shared(staging / name)
+        shutil.rmtree(inner, ignore_errors=True)
+
     def _capture_drives(self, staging: Path) -> tuple[tuple[snapshots.DriveImage, ...], int]:
         """Read-only drives are referenced where they are; writable ones are copied
         (reflink where the filesystem can) as the snapshot's own file. Returns the images
@@ -348,6 +414,8 @@ class FirecrackerVM(VM):
         await self._process.terminate(timeout)
         await self._api.aclose()
         self._process.close()
+        if not self._process.is_alive():
+            await asyncio.to_thread(self.jail.release)
         log.info("stopped", extra={"vm_id": self.vm_id, "op": "stop",
                                    "duration": time.monotonic() - t})
 
@@ -369,12 +437,71 @@ class FirecrackerRuntime(Runtime):
 
     def __init__(self, *, binary: str | None = None, accel: AccelChoice | None = None,
                  log_level: fc.LogLevel | None = None, metrics: bool = False,
-                 track_dirty_pages: bool = True) -> None:
+                 track_dirty_pages: bool = True, jailer: str | None = None,
+                 confinement: Confinement | None = None) -> None:
+        """``jailer``: the jailer binary (default: ``jailer`` on PATH); it is used when the
+        server is root and ``confinement.unprivileged``."""
         self._binary = binary
         self._accel = accel
         self.log_level = log_level
         self.metrics = metrics
         self.track_dirty_pages = track_dirty_pages
+        self._jailer = jailer
+        self.confinement = confinement if confinement is not None else Confinement()
+
+    def jailer_binary(self) -> str | None:
+        """The jailer this runtime starts Firecracker through, or None (unjailed)."""
+        if not self.confinement.unprivileged:
+            return None
+        jailer = self._jailer or fj.jailer_binary()
+        if jailer is None or os.geteuid() != 0:
+            confine._warn_once("Firecracker runs unjailed, as the server's user: "
+                               + ("no jailer binary on PATH" if jailer is None
+                                  else "the jailer needs root"))
+            return None
+        return jailer
+
+    def cleanup_leftovers(self, vms_dir: Path, keep: set[str]) -> dict[str, list[str]]:
+        return confine.cleanup_leftovers(self.confinement, vms_dir, keep)
+
+    def _launch(self, vm_id: str, workdir: Path, netns: str | None, binary: str, *,
+                vcpus: int, memory_mib: int, limits: VMLimits | None,
+                largest_file: int) -> _Launch:
+        """Plain ``[nsenter] firecracker``, or the jailer with a uid, cgroup and jail root
+        made for this VM (blocking)."""
+        jailer = self.jailer_binary()
+        if jailer is None:
+            return _Launch(build_argv(binary, netns), workdir / API_SOCKET,
+                           Jail(vm_id, workdir, released=True), workdir, False)
+        binary = os.path.abspath(binary)
+        layout = fj.JailLayout.of(workdir, vm_id, binary)
+        try:
+            jail = confine.prepare(self.confinement, vm_id, workdir, vcpus=vcpus,
+                                   memory_mib=memory_mib, overrides=limits,
+                                   cgroup_at_root=True)
+        except confine.ConfinementError as e:
+            raise BootError(f"cannot confine the VMM of {vm_id}: {e}", vm_id=vm_id) from e
+        jail.seccomp = jail.chroot = True  # Firecracker's own filters; the jailer's root
+        try:
+            fj.make_root(layout, jail)
+            cgroup = None
+            if jail.cgroup is not None and jail.limits is not None:
+                hierarchies = self.confinement.hierarchies(at_root=True)
+                cgroup, used = fj.cgroup_args(hierarchies, jail.limits)
+                # the VMM will be only where the jailer puts it
+                dirs = dict(zip(hierarchies.hierarchies, jail.cgroup.dirs, strict=True))
+                VMCgroup(vm_id, tuple(d for h, d in dirs.items() if h not in used)).remove()
+                jail.cgroup = VMCgroup(vm_id, tuple(dirs[h] for h in used)) if used else None
+                if not used:
+                    cgroup = None
+            argv = fj.build_argv(
+                jailer, binary, vm_id, jail, layout,
+                netns=netns_path(netns) if netns else None, cgroup=cgroup,
+                rlimits=fj.resource_limits(memory_mib, largest_file), api_socket=API_SOCKET)
+        except BaseException:
+            jail.release()
+            raise
+        return _Launch(argv, layout.root / API_SOCKET, jail, layout.root, True)
 
     @property
     def accel(self) -> AccelChoice:
@@ -452,9 +579,18 @@ class FirecrackerRuntime(Runtime):
         if spec.tap:
             requests.append(fc.put_network_interface(IFACE_ID, spec.tap, spec.mac))
         requests.append(fc.put_entropy())
+        launch = await asyncio.to_thread(
+            self._launch, spec.vm_id, spec.workdir, spec.netns, binary, vcpus=spec.vcpus,
+            memory_mib=spec.memory_mib, limits=spec.limits,
+            largest_file=max((os.path.getsize(d.path) for d in spec.drives), default=0))
+        if launch.jailed:
+            try:
+                await asyncio.to_thread(self._fill_jail, spec, launch)
+            except BaseException:
+                await asyncio.to_thread(launch.jail.release)
+                raise
         vm, t_configured = await self._start(
-            spec.vm_id, spec.workdir, spec.netns, binary, machine, requests,
-            restored_from=None)
+            spec.vm_id, spec.workdir, launch, machine, requests, restored_from=None)
         t = time.monotonic()
         try:
             await vm._call(fc.instance_start())
@@ -469,6 +605,19 @@ class FirecrackerRuntime(Runtime):
                  extra={"vm_id": spec.vm_id, "op": "boot", "phase": "instance_start",
                         "duration": vm.boot_timings["qmp_ready"]})
         return vm
+
+    @staticmethod
+    def _fill_jail(spec: VMSpec, launch: _Launch) -> None:
+        """Hard links of what a booting Firecracker opens, under the fixed names."""
+        root, jail = launch.root, launch.jail
+        fj.expose(spec.kernel, root / wd.KERNEL, jail, own=False)
+        if spec.initrd is not None:
+            fj.expose(spec.initrd, root / wd.INITRD, jail, own=False)
+        for d in spec.drives:
+            name = wd.drive_name(d)
+            fj.expose(spec.workdir / name, root / name, jail, own=not d.read_only,
+                      writable=not d.read_only)
+        fj.expose_console(spec.workdir, root, jail, wd.CONSOLE)
 
     async def restore(self, snapshot_dir: Path, overrides: RestoreOverrides) -> FirecrackerVM:
         """Start a new Firecracker from ``snapshot_dir`` in the new ``overrides.workdir``;
@@ -489,22 +638,32 @@ class FirecrackerRuntime(Runtime):
             workdir.mkdir(parents=True)  # must be new: nothing of another VM may linger
             memory = await asyncio.to_thread(self._prepare_restore, manifest, snapshot_dir,
                                              overrides)
-            t_files = time.monotonic() - t0
             machine = json.loads(json.dumps(manifest.vm))
             network = machine.get("network")
             overrides_net: list[tuple[str, str]] = []
             if network and overrides.tap:
                 network["host_dev_name"] = overrides.tap
                 overrides_net.append((network["iface_id"], overrides.tap))
+            drive_names = [f"{d.id}.raw" for d in manifest.drives]
+            launch = await asyncio.to_thread(
+                self._launch, vm_id, workdir, overrides.netns, binary,
+                vcpus=machine["vcpus"], memory_mib=machine["memory_mib"],
+                limits=overrides.limits, largest_file=max(
+                    (os.path.getsize(workdir / n) for n in drive_names), default=0))
+            try:
+                paths = await asyncio.to_thread(self._fill_restore_jail, launch, workdir,
+                                                snapshot_dir, memory, manifest)
+            except BaseException:
+                await asyncio.to_thread(launch.jail.release)
+                raise
+            t_files = time.monotonic() - t0
             requests = [
                 *self._observability(),
-                fc.load_snapshot(_rel(snapshot_dir / fcsnap.VMSTATE, workdir),
-                                 _rel(memory, workdir),
-                                 track_dirty_pages=machine["track_dirty_pages"], resume_vm=True,
-                                 network_overrides=overrides_net),
+                fc.load_snapshot(*paths, track_dirty_pages=machine["track_dirty_pages"],
+                                 resume_vm=True, network_overrides=overrides_net),
             ]
-            vm, t_loaded = await self._start(vm_id, workdir, overrides.netns, binary, machine,
-                                             requests, restored_from=snapshot_dir,
+            vm, t_loaded = await self._start(vm_id, workdir, launch, machine, requests,
+                                             restored_from=snapshot_dir,
                                              last_timeout=LOAD_TIMEOUT)
         except SnapshotError:
             raise
@@ -543,22 +702,42 @@ class FirecrackerRuntime(Runtime):
                 fcsnap.clone(snapshot_dir / d.file, name)
         return fcsnap.memory_for_restore(manifest, workdir)
 
-    async def _start(self, vm_id: str, workdir: Path, netns: str | None, binary: str,
+    @staticmethod
+    def _fill_restore_jail(launch: _Launch, workdir: Path, snapshot_dir: Path, memory: Path,
+                           manifest: snapshots.Manifest) -> tuple[str, str]:
+        """The drives, console, state and memory a restore opens, as Firecracker names them
+        (linked into the jail when it is jailed)."""
+        if launch.jailed:
+            for d in manifest.drives:
+                name = f"{d.id}.raw"
+                writable = not d.read_only
+                fj.expose(workdir / name, launch.root / name, launch.jail, own=writable,
+                          writable=writable)
+            fj.expose_console(workdir, launch.root, launch.jail, wd.CONSOLE)
+        own_memory = memory.resolve().parent == workdir.resolve()  # a merged stack
+        return (launch.path(snapshot_dir / fcsnap.VMSTATE, fcsnap.VMSTATE, workdir, own=False),
+                launch.path(memory, fcsnap.MEMORY, workdir, own=own_memory))
+
+    async def _start(self, vm_id: str, workdir: Path, launch: _Launch,
                      machine: dict[str, Any], requests: list[fc.Request], *,
                      restored_from: Path | None,
                      last_timeout: float | None = None) -> tuple[FirecrackerVM, float]:
-        """Spawn Firecracker in ``workdir``, wait for its socket, check its version and
-        send ``requests``; on any failure no process is left and ``BootError`` says why."""
+        """Spawn Firecracker (``launch``), wait for its socket, check its version and send
+        ``requests``; on any failure no process is left, its jail is released and
+        ``BootError`` says why."""
         accel = self.accel
-        for stale in (API_SOCKET, wd.PIDFILE):  # Firecracker refuses an existing socket
-            (workdir / stale).unlink(missing_ok=True)
+        # Firecracker refuses an existing socket
+        for stale in (launch.api_socket, workdir / wd.PIDFILE):
+            stale.unlink(missing_ok=True)
         (workdir / wd.CONSOLE).touch()
-        argv = build_argv(binary, netns)
+        argv = launch.argv
         record: dict[str, Any] = {
             "vm_id": vm_id, "runtime": self.name, "accel": "kvm", "accel_reason": accel.reason,
             "argv": argv, "created_at": time.time(), "machine": machine,
             "restored_from": str(restored_from) if restored_from else None,
             "memory_parent": str(restored_from) if restored_from else None,
+            "jail_root": str(launch.root) if launch.jailed else None,
+            "confinement": launch.jail.record() if launch.jailed else None,
         }
         _write_json(workdir / wd.MANIFEST, record)
         t0 = time.monotonic()
@@ -566,11 +745,12 @@ class FirecrackerRuntime(Runtime):
             process = await asyncio.to_thread(VMMProcess.spawn, argv, workdir,
                                               workdir / wd.VMM_LOG)
         except OSError as e:
+            await asyncio.to_thread(launch.jail.release)
             raise BootError(f"cannot start {argv[0]}: {e.strerror}", vm_id=vm_id) from e
         (workdir / wd.PIDFILE).write_text(f"{process.pid}\n")
-        api = fc.FirecrackerAPI(workdir / API_SOCKET, vm_id=vm_id)
+        api = fc.FirecrackerAPI(launch.api_socket, vm_id=vm_id)
         vm = FirecrackerVM(vm_id=vm_id, workdir=workdir, process=process, api=api,
-                           record=record, started_at=t0)
+                           record=record, started_at=t0, jail=launch.jail, root=launch.root)
         try:
             version = await self._wait_for_api(vm, t0 + API_TIMEOUT)
             vm.boot_timings["api_ready"] = time.monotonic() - t0
@@ -612,6 +792,7 @@ class FirecrackerRuntime(Runtime):
         synchronous so that even a cancelled start leaves no process."""
         vm._process.kill_now()
         await vm._api.aclose()
+        await asyncio.to_thread(vm.jail.release)
         if not isinstance(error, Exception):
             return error
         if isinstance(error, BootError):
@@ -633,13 +814,17 @@ class FirecrackerRuntime(Runtime):
         if record.get("runtime") != self.name:
             raise AttachError(f"{workdir} belongs to the {record.get('runtime')} driver",
                               vm_id=vm_id)
+        jail_root = Path(record["jail_root"]) if record.get("jail_root") else None
         try:
-            process = VMMProcess.adopt(pid, workdir)
+            process = VMMProcess.adopt(pid, workdir, jail_root=jail_root)
         except NotOurProcessError as e:
             raise AttachError(f"VMM of {vm_id}: {e}", vm_id=vm_id) from e
-        api = fc.FirecrackerAPI(workdir / API_SOCKET, vm_id=vm_id)
+        root = jail_root or workdir
+        api = fc.FirecrackerAPI(root / API_SOCKET, vm_id=vm_id)
         vm = FirecrackerVM(vm_id=vm_id, workdir=workdir, process=process, api=api,
-                           record=record, started_at=time.monotonic())
+                           record=record, started_at=time.monotonic(),
+                           jail=Jail.from_record(vm_id, workdir, record.get("confinement")),
+                           root=root)
         try:
             state = await vm.status()
         except (ControlError, VMExitedError) as e:

@@ -44,20 +44,29 @@ class VMMProcess:
         return cls(popen.pid, pidfd=os.pidfd_open(popen.pid), popen=popen)
 
     @classmethod
-    def adopt(cls, pid: int, workdir: Path) -> VMMProcess:
-        """Take over a VMM started by an earlier server process."""
+    def adopt(cls, pid: int, workdir: Path, *, jail_root: Path | None = None) -> VMMProcess:
+        """Take over a VMM started by an earlier server process. ``jail_root``: the VMM was
+        pivoted into that directory (the Firecracker jailer), so its cwd has no name the
+        host can read; it must be that very directory (same device and inode)."""
         try:
             pidfd = os.pidfd_open(pid)
         except OSError as e:
             raise NotOurProcessError(f"pid {pid} is gone") from e
         try:
-            cwd = os.readlink(f"/proc/{pid}/cwd")
+            if jail_root is not None:
+                cwd = os.stat(f"/proc/{pid}/cwd")
+                want = os.stat(jail_root)
+                ours = (cwd.st_dev, cwd.st_ino) == (want.st_dev, want.st_ino)
+                where = f"a directory other than its jail {jail_root}"
+            else:
+                where = os.readlink(f"/proc/{pid}/cwd")
+                ours = Path(where) == workdir.resolve()
         except OSError as e:
             os.close(pidfd)
             raise NotOurProcessError(f"pid {pid} is gone") from e
-        if Path(cwd) != workdir.resolve():
+        if not ours:
             os.close(pidfd)
-            raise NotOurProcessError(f"pid {pid} runs in {cwd}, not {workdir}")
+            raise NotOurProcessError(f"pid {pid} runs in {where}, not {workdir}")
         return cls(pid, pidfd=pidfd)
 
     @property

@@ -14,7 +14,12 @@ when ``track_dirty_pages`` is on (as KVM's dirty log would).
 
 Environment: ``FAKE_FC_RECORD`` (file to append JSON lines to; default ``fc-requests.jsonl``
 in the cwd), ``FAKE_FC_VERSION`` (default 1.16.1), ``FAKE_FC_FAULT`` (``"METHOD /path"`` to
-answer with 400 and ``FAKE_FC_FAULT_MESSAGE``), ``FAKE_FC_IGNORE_TERM=1`` (survive SIGTERM).
+answer with 400 and ``FAKE_FC_FAULT_MESSAGE``), ``FAKE_FC_IGNORE_TERM=1`` (survive SIGTERM),
+``FAKE_FC_JAILED=1`` (set by ``fake_jailer.py``: every path in a request must stay inside the
+cwd, as in a real jail, whose root is the cwd).
+
+The kernel and every drive are opened on InstanceStart and load, with the access a real
+Firecracker needs (drives read-write unless read-only), as whatever user the fake runs as.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ VERSION = os.environ.get("FAKE_FC_VERSION", "1.16.1")
 FAULT = os.environ.get("FAKE_FC_FAULT", "")
 FAULT_MESSAGE = os.environ.get("FAKE_FC_FAULT_MESSAGE", "fake fault")
 RECORD = Path(os.environ.get("FAKE_FC_RECORD", "fc-requests.jsonl")).resolve()
+JAILED = os.environ.get("FAKE_FC_JAILED") == "1"
+PATH_KEYS = ("kernel_image_path", "initrd_path", "path_on_host", "serial_out_path",
+             "snapshot_path", "mem_file_path", "backend_path", "metrics_path", "log_path")
 PREBOOT_ONLY = ("/machine-config", "/boot-source", "/drives/", "/network-interfaces/",
                 "/entropy", "/logger", "/metrics", "/serial")
 ALLOWED_BEFORE_LOAD = ("/logger", "/metrics", "/serial")
@@ -68,6 +76,10 @@ class Machine:
         key = f"{method} {path}"
         if FAULT and key == FAULT:
             return 400, {"fault_message": FAULT_MESSAGE}
+        if JAILED:
+            for p in paths_in(body):
+                if p.startswith("/") or ".." in Path(p).parts:
+                    return 400, {"fault_message": f"{p}: no such file in the jail"}
         if key == "GET /version":
             return 200, {"firecracker_version": VERSION}
         if key == "GET /":
@@ -114,8 +126,12 @@ class Machine:
         boot = self.config.get("boot")
         if not boot or not Path(boot["kernel_image_path"]).is_file():
             return 400, {"fault_message": "Cannot start microvm without kernel configuration."}
+        for name in (boot["kernel_image_path"], boot.get("initrd_path")):
+            if name and not can_open(name, os.O_RDONLY):
+                return 400, {"fault_message": f"Unable to open {name}"}
         for d in self.config["drives"].values():
-            if not Path(d["path_on_host"]).exists():
+            mode = os.O_RDONLY if d.get("is_read_only") else os.O_RDWR
+            if not can_open(d["path_on_host"], mode):
                 return 400, {"fault_message": f"Unable to open {d['path_on_host']}"}
         self.state = "Running"
         for page in range(4):
@@ -151,7 +167,8 @@ class Machine:
         state = json.loads(Path(body["snapshot_path"]).read_text())["fake-vmstate"]
         self.config.update({k: v for k, v in state.items() if k != "serial"})
         for d in self.config["drives"].values():
-            if not Path(d["path_on_host"]).exists():
+            mode = os.O_RDONLY if d.get("is_read_only") else os.O_RDWR
+            if not can_open(d["path_on_host"], mode):
                 return 400, {"fault_message": f"Unable to open {d['path_on_host']}"}
         data = Path(body["mem_backend"]["backend_path"]).read_bytes()
         self.memory = {p: data[p * PAGE:(p + 1) * PAGE] for p in range(len(data) // PAGE)
@@ -160,6 +177,29 @@ class Machine:
         self.dirty.clear()
         self.state = "Running" if body.get("resume_vm") else "Paused"
         return 204, None
+
+
+def paths_in(body: object) -> list[str]:
+    """Every host path a request body names."""
+    found: list[str] = []
+    if isinstance(body, dict):
+        for k, v in body.items():
+            if k in PATH_KEYS and isinstance(v, str):
+                found.append(v)
+            else:
+                found += paths_in(v)
+    elif isinstance(body, list):
+        for v in body:
+            found += paths_in(v)
+    return found
+
+
+def can_open(path: str, mode: int) -> bool:
+    try:
+        os.close(os.open(path, mode))
+        return True
+    except OSError:
+        return False
 
 
 machine = Machine()

@@ -224,7 +224,7 @@ def test_sweep_spares_kept_young_and_foreign_cgroups(host) -> None:
         past = time.time() - 3600
         for d in old.dirs:
             os.utime(d, (past, past))
-        removed, left = sweep(host, keep={"kept"}, owned=lambda pid: pid == p_ours.pid)
+        removed, left = sweep(host, keep={"kept"}, owned=lambda pid, name: pid == p_ours.pid)
         assert sorted(removed) == ["old", "ours"]
         assert sorted(left) == ["foreign", "young"]
         assert kept.exists() and young.exists() and foreign.exists()

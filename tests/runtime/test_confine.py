@@ -20,6 +20,7 @@ from aenv.runtime.cgroups import Limits
 from aenv.runtime.qemu_args import build_argv
 
 MiB = 1 << 20
+TEST_UIDS = 0x7E00_0000
 
 
 def test_limits_from_the_vm_size() -> None:
@@ -39,11 +40,11 @@ def test_overrides_win_field_by_field() -> None:
 
 
 def test_qemu_options_of_a_full_jail_come_last_on_the_line(tmp_path) -> None:
-    jail = cf.Jail("vm", tmp_path, uid=1879048200, gid=1879048200, seccomp=True, chroot=True,
+    jail = cf.Jail("vm", tmp_path, uid=1879048200, gid=cf.VMM_GID, seccomp=True, chroot=True,
                    released=True)
     assert jail.qemu_args() == [
         "-sandbox", "on,obsolete=deny,spawn=deny,resourcecontrol=deny",
-        "-chroot", ".", "-runas", "1879048200:1879048200"]
+        "-chroot", ".", "-runas", "1879048200:1879048192"]
     spec = VMSpec(vm_id="vm", workdir=tmp_path, kernel=tmp_path / "k", boot_args="")
     argv = build_argv(spec, "tcg", tcg_tb_mib=256, confine=jail.qemu_args())
     assert argv[-6:] == jail.qemu_args()
@@ -75,7 +76,8 @@ def test_the_wrapper_passes_argv_through_untouched(tmp_path) -> None:
 
 
 def conf(tmp_path: Path, count: int = 3) -> cf.Confinement:
-    return cf.Confinement(uid_base=1879048192, uid_count=count, ids_dir=tmp_path / "ids",
+    # a range of its own: VMs of other runs on this host hold uids of the real one
+    return cf.Confinement(uid_base=TEST_UIDS, uid_count=count, ids_dir=tmp_path / "ids",
                           cgroups="off", chroot=False)
 
 
@@ -87,15 +89,15 @@ def test_every_vm_gets_its_own_uid_until_the_range_is_used_up(tmp_path) -> None:
     c = conf(tmp_path)
     jails = [cf.prepare(c, f"vm{i}", tmp_path / f"vm{i}", vcpus=1, memory_mib=256)
              for i in range(3)]
-    assert [j.uid for j in jails] == [1879048192, 1879048193, 1879048194]
-    assert all(j.gid == j.uid for j in jails)
-    entry = json.loads((c.ids_dir / "1879048193").read_text())
+    assert [j.uid for j in jails] == [TEST_UIDS, TEST_UIDS + 1, TEST_UIDS + 2]
+    assert cf.UID_BASE == 0x70000001 and all(j.gid == cf.VMM_GID == 0x70000000 for j in jails)
+    entry = json.loads((c.ids_dir / str(TEST_UIDS + 1)).read_text())
     assert entry["vm_id"] == "vm1" and entry["workdir"] == str((tmp_path / "vm1").resolve())
     with pytest.raises(cf.ConfinementError, match="in use"):
         cf.prepare(c, "vm3", tmp_path / "vm3", vcpus=1, memory_mib=256)
-    assert jails[1].release() and not (c.ids_dir / "1879048193").exists()
+    assert jails[1].release() and not (c.ids_dir / str(TEST_UIDS + 1)).exists()
     again = cf.prepare(c, "vm4", tmp_path / "vm4", vcpus=1, memory_mib=256)
-    assert again.uid == 1879048193
+    assert again.uid == TEST_UIDS + 1
 
 
 @needs_root
@@ -108,7 +110,7 @@ def test_a_stale_reservation_is_taken_over_only_when_no_process_runs_under_it(
     for j in (a, b):
         os.utime(c.ids_dir / str(j.uid), (past, past))
     # a process still runs under b's uid: b's reservation is not stale
-    p = subprocess.Popen(["setpriv", f"--reuid={b.uid}", f"--regid={b.uid}", "--clear-groups",
+    p = subprocess.Popen(["setpriv", f"--reuid={b.uid}", f"--regid={b.gid}", "--clear-groups",
                           "sleep", "30"])
     try:
         time.sleep(0.2)
@@ -125,7 +127,7 @@ def test_a_stale_reservation_is_taken_over_only_when_no_process_runs_under_it(
 def test_release_frees_only_its_own_reservation(tmp_path) -> None:
     c = conf(tmp_path)
     a = cf.prepare(c, "a", tmp_path / "a", vcpus=1, memory_mib=256)
-    impostor = cf.Jail("a", tmp_path / "elsewhere", uid=a.uid, gid=a.uid, ids_dir=c.ids_dir)
+    impostor = cf.Jail("a", tmp_path / "elsewhere", uid=a.uid, gid=a.gid, ids_dir=c.ids_dir)
     assert impostor.release()
     assert (c.ids_dir / str(a.uid)).exists()
     assert a.release() and not (c.ids_dir / str(a.uid)).exists()

@@ -106,8 +106,9 @@ def test_the_vmm_runs_as_its_own_unprivileged_uid_under_seccomp_in_its_workdir(
     st = status(vm.pid)
     uid = vm.jail.uid
     assert uid is not None and uid >= cf.UID_BASE
-    assert st["Uid"].split() == [str(uid)] * 4 and st["Gid"].split() == [str(uid)] * 4
-    assert st["Groups"].split() == [str(uid)]
+    gid = str(cf.VMM_GID)
+    assert st["Uid"].split() == [str(uid)] * 4 and st["Gid"].split() == [gid] * 4
+    assert st["Groups"].split() == [gid]
     assert int(st["CapEff"], 16) == 0 and int(st["CapPrm"], 16) == 0
     assert st["Seccomp"] == "2" and st["NoNewPrivs"] == "1"
     # chrooted into its working directory: it can name nothing else on the host
