@@ -26,11 +26,13 @@ from .base import (
     VMLimits,
     VMSpec,
 )
+from .confine import Confinement
 
 __all__ = [
     "VM",
     "AttachError",
     "BootError",
+    "Confinement",
     "ControlError",
     "Drive",
     "NotSupportedError",
@@ -50,16 +52,17 @@ __all__ = [
 RUNTIMES = ("qemu", "firecracker")
 
 
-def get_runtime(name: str) -> Runtime:
-    """The driver called ``name`` (``Settings.runtime``)."""
+def get_runtime(name: str, *, confinement: Confinement | None = None) -> Runtime:
+    """The driver called ``name`` (``Settings.runtime``). ``confinement``: how its VMMs are
+    confined (default ``Confinement()``; a server passes ``Confinement.from_settings``)."""
     if name == "qemu":
         from .qemu import QemuRuntime
 
-        return QemuRuntime()
+        return QemuRuntime(confinement=confinement)
     if name == "firecracker":
         from .firecracker import FirecrackerRuntime
 
-        return FirecrackerRuntime()
+        return FirecrackerRuntime(confinement=confinement)
     raise UnknownRuntimeError(f"unknown runtime {name!r}; available: {', '.join(RUNTIMES)}")
 
 

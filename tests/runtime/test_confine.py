@@ -154,3 +154,14 @@ def test_record_round_trip(tmp_path) -> None:
     back = cf.Jail.from_record("vm", tmp_path, json.loads(json.dumps(jail.record())))
     assert back == jail and not back.released
     assert cf.Jail.from_record("vm", tmp_path, None).released
+
+
+def test_get_runtime_takes_the_servers_confinement() -> None:
+    from types import SimpleNamespace
+
+    from aenv.runtime import get_runtime
+
+    conf = cf.Confinement.from_settings(SimpleNamespace(name_prefix="srv1"))
+    for name in ("qemu", "firecracker"):
+        assert get_runtime(name, confinement=conf).confinement.prefix == "srv1"
+        assert get_runtime(name).confinement == cf.Confinement()
