@@ -135,6 +135,7 @@ class Server:
             sandbox_id=rec.id, host_ip=rec.host_ip, generation=f"{rec.vm_pid}:{rec.host_ip}",
             envd_token=rec.envd_token, traffic_token=rec.traffic_token,
             public_traffic=(rec.network or {}).get("allowPublicTraffic") is not False,
+            mask_host=(rec.network or {}).get("maskRequestHost"),
         )
 
     async def _signed_lookup(self, path: str, op: str, user: str | None, signature: str,

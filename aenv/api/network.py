@@ -11,13 +11,16 @@ ignored:
 - ``dnsServers`` is validated (IPv4, at most 10). In E2B it only opens the firewall to those
   servers when ``allowOut`` names a domain; domain entries are refused here, so it has
   nothing to open.
-- ``rules`` (header transforms), ``egressProxy`` (SOCKS5 upstream), ``maskRequestHost`` and
-  ``httpsPorts`` are refused: they need an egress/ingress proxy this server does not run yet.
+- ``maskRequestHost`` (create only) is the Host header the proxy sends to user ports,
+  ``${PORT}`` replaced by the port (envd's port is never masked).
+- ``rules`` (header transforms), ``egressProxy`` (SOCKS5 upstream) and ``httpsPorts`` are
+  refused: they need an egress proxy, or TLS to guest ports, this server does not have yet.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import re
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -33,7 +36,6 @@ MAX_DNS_SERVERS = 10
 _UNSUPPORTED = {
     "rules": "per-domain egress transforms",
     "egressProxy": "tunnelling egress through a SOCKS5 proxy",
-    "maskRequestHost": "rewriting the Host header of user-port requests",
     "httpsPorts": "TLS to sandbox ports",
 }
 
@@ -43,6 +45,15 @@ def _refuse_unsupported(options: dict[str, Any]) -> None:
         value = options.get(key)
         if value:  # an empty map or list asks for nothing
             raise ApiError(400, f"network.{key} ({what}) is not supported by this server")
+
+
+_HOST_VALUE = re.compile(r"^[A-Za-z0-9._:\[\]${}-]{1,255}$")
+
+
+def _check_mask(value: str | None) -> None:
+    if value is not None and not _HOST_VALUE.match(value):
+        raise ApiError(400, "network.maskRequestHost must be a host name, optionally with "
+                       "a port or ${PORT}")
 
 
 def _check_dns(servers: list[str] | None) -> None:
@@ -71,6 +82,7 @@ def _check_policy(options: dict[str, Any]) -> None:
 
 def _checked(options: dict[str, Any], dns: list[str] | None) -> dict[str, Any]:
     _refuse_unsupported(options)
+    _check_mask(options.get("maskRequestHost"))
     _check_dns(dns)
     _check_policy(options)
     return options

@@ -81,7 +81,9 @@ class NodeMachines:
         self.settings = settings
         self.kernel_flavor = kernel_flavor
         self.runtime = get_runtime(settings.runtime)
-        self.pool = SlotPool(settings)
+        # Only the server's own (marked) connections reach a sandbox's host address: the
+        # proxy, envd and metrics clients mark theirs (client.http, network.access).
+        self.pool = SlotPool(settings, server_only=True)
         self.kernel: Kernel | None = None
         self.base: Image | None = None
         self._running: dict[str, _Running] = {}

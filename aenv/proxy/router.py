@@ -49,6 +49,7 @@ import websockets
 from starlette.types import Receive, Scope, Send
 
 from ..client.http import plain_client
+from ..network.access import connect_socket
 
 log = logging.getLogger("aenv.proxy")
 
@@ -84,6 +85,14 @@ class Route:
     envd_token: str | None
     traffic_token: str | None
     public_traffic: bool = True
+    # ``network.maskRequestHost``: the Host user-port requests carry upstream (``${PORT}``
+    # is the port); None: the guest's own address, as before.
+    mask_host: str | None = None
+
+    def upstream_host(self, port: int) -> str | None:
+        if port == ENVD_PORT or not self.mask_host:
+            return None
+        return self.mask_host.replace("${PORT}", str(port))
 
 
 def upstream_path(scope: Scope, port: int) -> bytes | None:
@@ -234,6 +243,9 @@ class ProxyRouter:
         host = _header(scope, b"host")
         if host:
             headers.append((b"x-forwarded-host", host.encode()))
+        masked = route.upstream_host(port)
+        if masked:
+            headers.append((b"host", masked.encode()))
         has_body = any(k in (b"content-length", b"transfer-encoding") for k, _ in scope["headers"])
         client = self._client(route)
         request = client.build_request(
@@ -286,14 +298,20 @@ class ProxyRouter:
     async def _websocket(self, scope: Scope, receive: Receive, send: Send, route: Route,
                          port: int, path: bytes) -> None:
         query = scope.get("query_string", b"").decode("latin-1")
-        uri = f"ws://{route.host_ip}:{port}{path.decode('ascii')}" + (f"?{query}" if query else "")
+        # The connection goes to the guest (``sock``); the URI's authority is only what the
+        # Host header says: the mask when the sandbox has one.
+        authority = route.upstream_host(port) or f"{route.host_ip}:{port}"
+        uri = f"ws://{authority}{path.decode('ascii')}" + (f"?{query}" if query else "")
         headers = [(k.decode(), v.decode()) for k, v in scope["headers"]
                    if k not in _HOP_BY_HOP and k not in _STRIP
                    and not k.startswith(b"sec-websocket")]
         subprotocols = scope.get("subprotocols") or None
         try:
+            # A socket of our own: marked as the server's (the host firewall asks for the
+            # mark), and no proxy from the environment can capture it.
+            sock = await connect_socket(route.host_ip, port, timeout=self.connect_timeout)
             upstream = await websockets.connect(
-                uri, additional_headers=headers, subprotocols=subprotocols,
+                uri, sock=sock, additional_headers=headers, subprotocols=subprotocols,
                 open_timeout=self.connect_timeout, max_size=None)
         except (TimeoutError, OSError, websockets.InvalidHandshake):
             await send({"type": "websocket.close", "code": 1011})

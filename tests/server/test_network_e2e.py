@@ -7,6 +7,8 @@ address with a listener), reached from the guest through the host as real egress
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from e2b import Sandbox, SandboxException
@@ -81,7 +83,7 @@ def test_update_network_of_a_paused_sandbox_is_409_and_of_a_missing_one_404(sdk)
 @pytest.mark.parametrize("network, named", [
     ({"rules": {"api.example.com": [{"transform": {"headers": {"X": "1"}}}]}}, "rules"),
     ({"egressProxy": {"address": "proxy.example.com:1080"}}, "egressProxy"),
-    ({"maskRequestHost": "custom.example.com:${PORT}"}, "maskRequestHost"),
+    ({"maskRequestHost": "bad host\r\nX: y"}, "maskRequestHost"),
     ({"httpsPorts": [3000]}, "httpsPorts"),
     ({"dnsServers": ["not-an-ip"]}, "dnsServers"),
     ({"allowOut": ["example.com"]}, "example.com"),
@@ -93,3 +95,58 @@ def test_unsupported_network_options_are_refused_by_name(sdk, network, named) ->
         assert r.status_code == 400, r.text
         assert named in r.json()["message"]
         assert len(c.get("/v2/sandboxes").json()) == before  # nothing was made
+
+
+ECHO_HOST = ("import http.server as h\n"
+             "class H(h.BaseHTTPRequestHandler):\n"
+             "    def do_GET(self):\n"
+             "        b = self.headers.get('Host', '').encode()\n"
+             "        self.send_response(200); self.send_header('Content-Length', str(len(b)))\n"
+             "        self.end_headers(); self.wfile.write(b)\n"
+             "h.HTTPServer(('0.0.0.0', 8080), H).serve_forever()\n")
+
+
+def test_mask_request_host_is_the_host_user_ports_see(sdk) -> None:
+    """E2B's test_mask_request_host: the in-sandbox server sees the masked Host, with
+    ${PORT} replaced; envd's port is not masked (the SDK keeps working)."""
+    sbx = Sandbox.create("base", network={"mask_request_host": "custom-host.example.com:${PORT}"})
+    try:
+        sbx.files.write("/tmp/echo_host.py", ECHO_HOST)
+        sbx.commands.run("python3 /tmp/echo_host.py", background=True)
+        headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8080"}
+        with httpx.Client(base_url=sdk.url) as c:
+            for _ in range(100):
+                r = c.get("/", headers=headers)
+                if r.status_code == 200:
+                    break
+                time.sleep(0.2)
+        assert r.status_code == 200, r.text
+        assert r.text == "custom-host.example.com:8080"
+    finally:
+        sbx.kill()
+
+
+def test_only_the_server_reaches_a_sandbox_host_address(sdk) -> None:
+    """Another process on the host (root, but without the server's socket mark) cannot
+    open a connection to a sandbox's host address; the server's proxy can."""
+    import socket
+    import sqlite3
+
+    sbx = Sandbox.create("base")
+    try:
+        sbx.files.write("/tmp/echo_host.py", ECHO_HOST)
+        sbx.commands.run("python3 /tmp/echo_host.py", background=True)
+        headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8080"}
+        with httpx.Client(base_url=sdk.url) as c:
+            for _ in range(100):
+                if c.get("/", headers=headers).status_code == 200:
+                    break
+                time.sleep(0.2)
+            assert c.get("/", headers=headers).status_code == 200  # through the server
+        with sqlite3.connect(sdk.home / "aenv.db") as db:
+            (host_ip,) = db.execute("SELECT host_ip FROM sandboxes WHERE id = ?",
+                                    (sbx.sandbox_id,)).fetchone()
+        with pytest.raises(OSError):
+            socket.create_connection((host_ip, 8080), timeout=3).close()
+    finally:
+        sbx.kill()
