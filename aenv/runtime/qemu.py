@@ -22,6 +22,7 @@ loads the device state from an inherited fd and starts the vCPUs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import functools
 import json
@@ -444,7 +445,7 @@ class QemuRuntime(Runtime):
                 }
                 (spec.workdir / wd.MANIFEST).write_text(json.dumps(manifest, indent=1))
                 t0 = time.monotonic()
-                process = await asyncio.to_thread(self._spawn, jail.wrap(argv), spec.workdir,
+                process = await asyncio.to_thread(self._spawn, argv, spec.workdir,
                                                   spec.workdir / wd.VMM_LOG, (fd,))
             finally:
                 os.close(fd)
@@ -452,9 +453,13 @@ class QemuRuntime(Runtime):
             await asyncio.to_thread(jail.release)
             raise
         timings = {"prepare": t0 - t_prep}
+        # Into its cgroup while it starts up (-S: no vCPU runs, no guest memory is written
+        # before the join has finished; see confine).
+        joined = asyncio.ensure_future(asyncio.to_thread(jail.join, process.pid))
         try:
             qmp = await self._connect_qmp(spec, process)
             timings["qmp_ready"] = time.monotonic() - t0
+            await joined
             await asyncio.to_thread(qemu_snapshot.apply_memory, process.pid, plan)
             timings["memory_applied"] = time.monotonic() - t0
             await qmp.execute("migrate-incoming", {"uri": f"fd:{fd}"})
@@ -471,6 +476,8 @@ class QemuRuntime(Runtime):
             timings["running"] = time.monotonic() - t0
         except BaseException as e:
             self._kill(process)
+            with contextlib.suppress(BaseException):
+                await joined  # finished or failed by now; its error is not this one
             await asyncio.to_thread(jail.release)
             tail = wd.tail(spec.workdir / wd.VMM_LOG)
             if isinstance(e, SnapshotError):
