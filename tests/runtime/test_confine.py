@@ -27,7 +27,8 @@ def test_limits_from_the_vm_size() -> None:
     lim = cf.limits_for(2, 512, tcg_tb_mib=256)
     assert lim.memory_max == (512 + 64 + 160 + 256) * MiB
     assert lim.cpu_quota_us == 225_000 and lim.cpu_period_us == 100_000
-    assert lim.pids_max == 160 + 16 and lim.swap_max == 0 and lim.io_weight == 200
+    host = 8 * (os.cpu_count() or 1)  # io_uring's workers scale with the host's CPUs
+    assert lim.pids_max == 160 + 16 + host and lim.swap_max == 0 and lim.io_weight == 200
     kvm = cf.limits_for(1, 1024)
     assert kvm.memory_max == (1024 + 128 + 160) * MiB
 
@@ -35,7 +36,7 @@ def test_limits_from_the_vm_size() -> None:
 def test_overrides_win_field_by_field() -> None:
     lim = cf.limits_for(2, 512, overrides=VMLimits(memory_bytes=300 * MiB, cpus=0.5))
     assert lim.memory_max == 300 * MiB and lim.cpu_quota_us == 50_000
-    assert lim.pids_max == 176  # not overridden
+    assert lim.pids_max == 176 + 8 * (os.cpu_count() or 1)  # not overridden
     assert cf.limits_for(1, 256, overrides=VMLimits(cpus=0)).cpu_quota_us is None
 
 
