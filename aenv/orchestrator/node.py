@@ -21,7 +21,17 @@ from ..client.envd import ENVD_PORT, EnvdClient
 from ..config import Settings
 from ..guest.bootargs import guest_boot_args
 from ..network import EgressPolicy, NetworkSlot, SlotPool, cleanup_leftovers
-from ..runtime import VM, AttachError, Drive, RestoreOverrides, VMSpec, console, get_runtime
+from ..runtime import (
+    VM,
+    AttachError,
+    Confinement,
+    Drive,
+    RestoreOverrides,
+    VMSpec,
+    confine,
+    console,
+    get_runtime,
+)
 from ..runtime import workdir as wd
 from ..runtime.ready import boot_until_ready
 from ..storage import disk_layers, snapshot_store
@@ -80,10 +90,13 @@ class NodeMachines:
     def __init__(self, settings: Settings, *, kernel_flavor: str = "cloud") -> None:
         self.settings = settings
         self.kernel_flavor = kernel_flavor
-        self.runtime = get_runtime(settings.runtime)
+        # VMMs confined under this server's name prefix (own uid, seccomp, chroot, cgroup).
+        self.runtime = get_runtime(settings.runtime,
+                                   confinement=Confinement.from_settings(settings))
         # Only the server's own (marked) connections reach a sandbox's host address: the
-        # proxy, envd and metrics clients mark theirs (client.http, network.access).
-        self.pool = SlotPool(settings, server_only=True)
+        # proxy, envd and metrics clients mark theirs (client.http, network.access). Taps
+        # belong to the VMMs' group, which a jailed Firecracker opens them as.
+        self.pool = SlotPool(settings, server_only=True, tap_gid=confine.VMM_GID)
         self.kernel: Kernel | None = None
         self.base: Image | None = None
         self._running: dict[str, _Running] = {}
@@ -106,6 +119,10 @@ class NodeMachines:
         for d in self.settings.vms_dir.glob("*") if self.settings.vms_dir.is_dir() else ():
             if d.name not in keep_vms:
                 wd.remove(d)
+        swept = await asyncio.to_thread(self.runtime.cleanup_leftovers, self.settings.vms_dir,
+                                        keep_vms)
+        if any(swept.values()):
+            log.info("removed VMM leftovers of a previous run: %s", swept)
         await asyncio.to_thread(self.pool.start, keep_slots)
         self._console_task = asyncio.create_task(self._bound_consoles(), name="aenv-consoles")
 
