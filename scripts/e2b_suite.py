@@ -14,9 +14,15 @@ E2B's Python (pytest) and JavaScript (vitest) suites live in a checkout of e2b-d
 3. keeps all traffic on the machine (see ``Isolation``): the suites run in a network
    namespace whose only link is a veth to the server, and the host rejects what the
    server's sandboxes send anywhere else;
+   by default the server serves TLS on port 443 for a domain of its own (``aenv.test``,
+   a local CA) and a dnsmasq in the suites' namespace answers ``*.<domain>`` with its
+   address, so ``https://<port>-<id>.<domain>`` from ``get_host()`` works as on E2B's
+   cloud (``--plain-url``: plain HTTP on a free port instead);
    then runs the suites one after the other, serially (one pytest process, vitest with one
    worker and no file parallelism), configured only through the SDKs' environment
-   variables (``E2B_API_KEY``, ``E2B_API_URL``, ``E2B_SANDBOX_URL``);
+   variables (``E2B_API_KEY`` and ``E2B_DOMAIN`` with the CA trusted through
+   ``SSL_CERT_FILE`` / ``NODE_EXTRA_CA_CERTS``; or ``E2B_API_URL`` and
+   ``E2B_SANDBOX_URL`` with ``--plain-url``);
 4. reads the results (pytest junit XML, vitest JSON), prints pass/fail/skip counts per
    file, sorts each failure into "environment" (listed with a reason in
    ``scripts/e2b_suite_known.toml``) or "aenv" (everything else), prints the aenv ones with
@@ -44,6 +50,7 @@ import select
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -72,6 +79,15 @@ SUITE_NETNS = "e2bsuite"
 SUITE_HOST_IF, SUITE_NS_IF = "e2bsuite-h", "e2bsuite-c"
 SUITE_HOST_IP, SUITE_NS_IP = "10.49.255.1", "10.49.255.2"
 GUARD_TABLE = "e2bsuite_guard"
+# The default mode: the server on SUITE_HOST_IP:443 with TLS for DOMAIN, and a dnsmasq on
+# the namespace's own loopback answering DOMAIN and every name under it with that address.
+# .test is reserved (RFC 2606): never a real name. `ip netns exec` bind-mounts
+# /etc/netns/<ns>/resolv.conf over /etc/resolv.conf, which glibc (Node, urllib, httpx) and
+# hickory (pyqwest: the Python SDK's REST and envd calls) both read.
+DOMAIN = "aenv.test"
+TLS_PORT = 443
+SUITE_DNS_IP = "127.0.0.1"  # the namespace's loopback, not the host's
+NETNS_ETC = Path("/etc/netns") / SUITE_NETNS
 # The vitest projects that can run here. "browser" needs Playwright's own Chromium build,
 # a download from outside the package registries, so it is not run (see the doc).
 JS_PROJECTS = ("unit", "template", "connectionConfig")
@@ -187,10 +203,21 @@ class Isolation:
       listens on the host's end, and anything else fails at once as unreachable;
     - an nft table ``inet e2bsuite_guard`` rejects whatever the host would forward from
       this server's sandboxes (their egress, SNAT-ed into HOST_CIDR) to any address
-      outside its own ranges, and drops forwarded IPv6 from them and from the namespace.
+      outside its own ranges, and drops forwarded IPv6 from them and from the namespace;
+    - with a domain (the default mode), the namespace's resolver is a dnsmasq on its own
+      loopback (``/etc/netns/e2bsuite/resolv.conf``) that answers the domain and every name
+      under it with the server's address, AAAA with NODATA, and no other name (it has no
+      upstream): ``https://<port>-<id>.<domain>`` reaches the server, the internet's names
+      resolve to nothing.
 
-    up() first removes what a previous run that was killed may have left; down() removes
-    it all and may be called any number of times."""
+    up() first removes what a previous run that was killed may have left (also a process
+    still in the namespace, which can only be that run's); down() removes it all and may
+    be called any number of times."""
+
+    def __init__(self, domain: str | None = None, dns_log: Path | None = None) -> None:
+        self.domain = domain
+        self.dns_log = dns_log
+        self.dns: subprocess.Popen | None = None
 
     def up(self) -> None:
         try:
@@ -223,12 +250,61 @@ class Isolation:
 """
         subprocess.run(["nft", "-f", "-"], input=rules, text=True, check=True,
                        capture_output=True)
+        if self.domain:
+            self._dns_up()
+
+    def _dns_up(self) -> None:
+        if shutil.which("dnsmasq") is None:
+            raise RunError("dnsmasq is missing (run ./scripts/setup.sh: dnsmasq-base), or "
+                           "use --plain-url")
+        assert self.dns_log is not None
+        NETNS_ETC.mkdir(parents=True, exist_ok=True)
+        (NETNS_ETC / "resolv.conf").write_text(f"nameserver {SUITE_DNS_IP}\n")
+        self.dns_log.unlink(missing_ok=True)
+        self.dns = subprocess.Popen(
+            self.wrap(["dnsmasq", "--keep-in-foreground", "--conf-file=/dev/null",
+                       "--no-resolv", "--no-hosts", "--no-poll", "--bind-interfaces",
+                       f"--listen-address={SUITE_DNS_IP}", "--port=53",
+                       f"--local=/{self.domain}/", f"--address=/{self.domain}/{SUITE_HOST_IP}",
+                       "--log-queries", f"--log-facility={self.dns_log}", "--pid-file=",
+                       "--user=root"]),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True)
+        deadline = time.monotonic() + 10
+        while not self.dns_log.exists() or "started" not in self.dns_log.read_text():
+            if self.dns.poll() is not None or time.monotonic() > deadline:
+                out = self.dns.communicate()[0] if self.dns.poll() is not None else ""
+                raise RunError(f"dnsmasq did not start in {SUITE_NETNS}: {out.strip()}")
+            time.sleep(0.05)
+        # The names the SDKs will ask, asked the way they will be (in the namespace).
+        probe = subprocess.run(
+            self.wrap(["getent", "ahostsv4", f"api.{self.domain}"]),
+            capture_output=True, text=True, check=False)
+        if SUITE_HOST_IP not in probe.stdout:
+            raise RunError(f"api.{self.domain} does not resolve to {SUITE_HOST_IP} in "
+                           f"{SUITE_NETNS}: {(probe.stdout + probe.stderr).strip()}")
 
     def down(self) -> None:
+        if self.dns is not None and self.dns.poll() is None:
+            self.dns.terminate()
+            try:
+                self.dns.wait(10)
+            except subprocess.TimeoutExpired:
+                self.dns.kill()
+                self.dns.wait()
+        # Whatever still runs in the namespace is a killed run's (its dnsmasq, a suite).
+        pids = subprocess.run(["ip", "netns", "pids", SUITE_NETNS], capture_output=True,
+                              text=True, check=False).stdout.split()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
         for cmd in (["nft", "delete", "table", "inet", GUARD_TABLE],
                     ["ip", "link", "del", SUITE_HOST_IF],
                     ["ip", "netns", "del", SUITE_NETNS]):
             subprocess.run(cmd, check=False, capture_output=True)
+        shutil.rmtree(NETNS_ETC, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            NETNS_ETC.parent.rmdir()  # only if empty: other namespaces may use it
 
     @staticmethod
     def wrap(cmd: list[str]) -> list[str]:
@@ -246,11 +322,14 @@ def free_port(host: str) -> int:
 
 class Server:
     """``aenv server`` in its own session (so a Ctrl-C reaches only this script, which then
-    kills the sandboxes through the API before stopping it)."""
+    kills the sandboxes through the API before stopping it). With a domain: on port 443
+    with ``--tls-self-signed --domain <domain>``, its local CA made in its fresh home;
+    without: plain HTTP on a free port, the domain left at its default (localhost)."""
 
-    def __init__(self, home: Path, log_path: Path, host: str) -> None:
+    def __init__(self, home: Path, log_path: Path, host: str, domain: str | None = None) -> None:
         self.home = home
         self.host = host
+        self.domain = domain
         self.log_path = log_path
         self.settings = Settings(home=home, cache_home=Settings.from_env().artifacts,
                                  name_prefix=PREFIX, host_cidr=HOST_CIDR, veth_cidr=VETH_CIDR,
@@ -258,6 +337,22 @@ class Server:
         self.port = 0
         self.url = ""
         self.proc: subprocess.Popen | None = None
+        self._ssl: ssl.SSLContext | None = None
+
+    @property
+    def ca(self) -> Path:
+        """The local CA's certificate (TLS mode), written at the server's first start."""
+        return self.home / "secrets/tls" / str(self.domain) / "ca.pem"
+
+    def _context(self) -> ssl.SSLContext | None:
+        """For this script's own calls, which go to the address: the chain is checked
+        against the CA, the name is not (the suites' clients check both)."""
+        if not self.domain:
+            return None
+        if self._ssl is None:
+            self._ssl = ssl.create_default_context(cafile=str(self.ca))
+            self._ssl.check_hostname = False
+        return self._ssl
 
     def start(self, timeout: float = 900) -> None:
         s = self.settings
@@ -265,25 +360,38 @@ class Server:
         env.update(AENV_HOME=str(self.home), AENV_CACHE_HOME=str(s.artifacts),
                    AENV_NAME_PREFIX=PREFIX, AENV_HOST_CIDR=HOST_CIDR, AENV_VETH_CIDR=VETH_CIDR,
                    AENV_WARM_SLOTS=str(s.warm_slots), AENV_LISTEN_HOST=self.host)
-        self.port = free_port(self.host)
-        self.url = f"http://{self.host}:{self.port}"
+        if self.domain:
+            env.update(AENV_DOMAIN=self.domain, AENV_TLS_SELF_SIGNED="1")
+            self.port = TLS_PORT
+            self.url = f"https://{self.host}"
+        else:
+            self.port = free_port(self.host)
+            self.url = f"http://{self.host}:{self.port}"
         self.home.mkdir(parents=True, exist_ok=True)
-        log(f"starting aenv server on {self.url} (home {self.home}, log {self.log_path})")
+        log(f"starting aenv server on {self.url} (home {self.home}, log {self.log_path})"
+            + (f"; TLS for {self.domain} and *.{self.domain} from a local CA, the names "
+               f"resolved by a dnsmasq in {SUITE_NETNS}" if self.domain else ""))
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "aenv.cli.main", "server", "--port", str(self.port)],
                 cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True)
         deadline = time.monotonic() + timeout
+        last = ""
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RunError(f"aenv server exited {self.proc.returncode}:\n{self.tail()}")
-            with contextlib.suppress(OSError), \
-                    urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                if r.status == 204:
-                    return
+            if not self.domain or self.ca.exists():  # written whole (renamed) or not at all
+                try:
+                    with urllib.request.urlopen(self.url + "/health", timeout=2,
+                                                context=self._context()) as r:
+                        if r.status == 204:
+                            return
+                except OSError as e:
+                    last = str(e)
             time.sleep(0.3)
-        raise RunError(f"aenv server did not answer /health in {timeout:.0f} s:\n{self.tail()}")
+        raise RunError(f"aenv server did not answer /health in {timeout:.0f} s ({last}):\n"
+                       f"{self.tail()}")
 
     @property
     def api_key(self) -> str:
@@ -297,7 +405,7 @@ class Server:
     def _api(self, method: str, path: str) -> bytes:
         req = urllib.request.Request(self.url + path, method=method,
                                      headers={"X-API-KEY": self.api_key})
-        with urllib.request.urlopen(req, timeout=60) as r:
+        with urllib.request.urlopen(req, timeout=60, context=self._context()) as r:
             return r.read()
 
     def kill_all_sandboxes(self) -> int:
@@ -439,12 +547,35 @@ class SuiteProcess:
                 pass
 
 
-def suite_env(server: Server) -> dict[str, str]:
-    """The caller's environment without any E2B or aenv setting, plus the three variables
-    that point an unmodified SDK at the server."""
+def trust_bundle(server: Server, out: Path) -> Path:
+    """The roots the suites trust in TLS mode: the machine's (the caller's SSL_CERT_FILE,
+    or OpenSSL's default file) and the server's local CA. SSL_CERT_FILE replaces Python's
+    default store (ssl, httpx) and is what pyqwest's rustls-native-certs loads, so it gets
+    the whole bundle rather than the CA alone."""
+    bundle = out / "ca-bundle.pem"
+    system = Path(os.environ.get("SSL_CERT_FILE") or ssl.get_default_verify_paths().cafile
+                  or "/etc/ssl/certs/ca-certificates.crt")
+    parts = [system.read_text()] if system.is_file() else []
+    bundle.write_text("".join(p if p.endswith("\n") else p + "\n" for p in parts)
+                      + server.ca.read_text())
+    shutil.copyfile(server.ca, out / "ca.pem")  # the home may be deleted; the CA is public
+    return bundle
+
+
+def suite_env(server: Server, bundle: Path | None) -> dict[str, str]:
+    """The caller's environment without any E2B or aenv setting, plus the variables that
+    point an unmodified SDK at the server: with a domain, E2B_DOMAIN (the SDKs then build
+    https://api.<domain> and https://49983-<id>.<domain> themselves) and the CA trusted;
+    without, E2B_API_URL and E2B_SANDBOX_URL."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AENV_", "E2B_"))}
-    env.update(E2B_API_KEY=server.api_key, E2B_API_URL=server.url,
-               E2B_SANDBOX_URL=server.url, PYTHONUNBUFFERED="1")
+    env.update(E2B_API_KEY=server.api_key, PYTHONUNBUFFERED="1")
+    if server.domain:
+        assert bundle is not None
+        # NODE_EXTRA_CA_CERTS adds to Node's own roots; REQUESTS_CA_BUNDLE is requests'.
+        env.update(E2B_DOMAIN=server.domain, SSL_CERT_FILE=str(bundle),
+                   REQUESTS_CA_BUNDLE=str(bundle), NODE_EXTRA_CA_CERTS=str(bundle))
+    else:
+        env.update(E2B_API_URL=server.url, E2B_SANDBOX_URL=server.url)
     return env
 
 
@@ -456,7 +587,7 @@ def first_line(text: str) -> str:
 
 
 def run_python(src: Path, pytest: Path, server: Server, out: Path, args, proc: SuiteProcess,
-               files: list[str]) -> SuiteResult:
+               files: list[str], bundle: Path | None) -> SuiteResult:
     sdk = src / "packages/python-sdk"
     junit = out / "python-junit.xml"
     cmd = [str(pytest), "-p", "no:randomly", "-p", "no:cacheprovider", "-o",
@@ -467,7 +598,7 @@ def run_python(src: Path, pytest: Path, server: Server, out: Path, args, proc: S
         cmd += ["-k", args.k]
     cmd += files or ["tests"]
     started = time.monotonic()
-    rc = proc.run(Isolation.wrap(cmd), sdk, suite_env(server), out / "python.log",
+    rc = proc.run(Isolation.wrap(cmd), sdk, suite_env(server, bundle), out / "python.log",
                   args.suite_timeout)
     res = SuiteResult("python", returncode=rc, seconds=time.monotonic() - started)
     if junit.exists():
@@ -503,7 +634,7 @@ def parse_junit(path: Path) -> list[Case]:
 
 
 def run_js(src: Path, vitest: Path, server: Server, out: Path, args, proc: SuiteProcess,
-           files: list[str]) -> SuiteResult:
+           files: list[str], bundle: Path | None) -> SuiteResult:
     sdk = src / "packages/js-sdk"
     report = out / "js.json"
     cmd = [str(vitest), "run", *[f"--project={p}" for p in JS_PROJECTS],
@@ -515,7 +646,7 @@ def run_js(src: Path, vitest: Path, server: Server, out: Path, args, proc: Suite
         cmd += ["-t", args.k]
     cmd += files
     started = time.monotonic()
-    env = suite_env(server)
+    env = suite_env(server, bundle)
     rc = proc.run(Isolation.wrap(cmd), sdk, env, out / "js.log", args.suite_timeout)
     res = SuiteResult("js", returncode=rc, seconds=time.monotonic() - started)
     if report.exists():
@@ -680,6 +811,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--report", type=Path, metavar="DIR",
                    help="run nothing: classify and print the results of an earlier run in DIR "
                         "again (after editing the known-failures file)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--domain", default=DOMAIN,
+                      help=f"the server's domain in the default mode (default {DOMAIN}): "
+                           "TLS on port 443 from a local CA, *.<domain> resolved in the "
+                           "suites' namespace, the SDKs given E2B_DOMAIN")
+    mode.add_argument("--plain-url", action="store_true",
+                      help="plain HTTP on a free port and the SDKs given E2B_API_URL and "
+                           "E2B_SANDBOX_URL instead (get_host() URLs then do not resolve)")
     p.add_argument("--keep-home", action="store_true",
                    help="keep the server's AENV_HOME (database, snapshots) after the run")
     return p.parse_args(argv)
@@ -740,8 +879,9 @@ def main(argv: list[str]) -> int:
         print(f"e2b-suite: another run is in progress (lock: {cache / 'run.lock'})",
               file=sys.stderr)
         return 2
-    isolation = Isolation()
-    server = Server(out / "home", out / "server.log", SUITE_HOST_IP)
+    domain = None if args.plain_url else args.domain
+    isolation = Isolation(domain, out / "dnsmasq.log")
+    server = Server(out / "home", out / "server.log", SUITE_HOST_IP, domain)
     proc = SuiteProcess()
     results: list[SuiteResult] = []
     signal.signal(signal.SIGTERM, _on_signal)
@@ -755,10 +895,11 @@ def main(argv: list[str]) -> int:
         run([sys.executable, "-m", "aenv.cli.main", "image", "build"], setup_log, cwd=ROOT)
         isolation.up()
         server.start()
+        bundle = trust_bundle(server, out) if domain else None
         if pytest:
-            results.append(run_python(src, pytest, server, out, args, proc, py_files))
+            results.append(run_python(src, pytest, server, out, args, proc, py_files, bundle))
         if vitest and not proc.interrupted:
-            results.append(run_js(src, vitest, server, out, args, proc, js_files))
+            results.append(run_js(src, vitest, server, out, args, proc, js_files, bundle))
     except Interrupted as e:
         log(f"{e}: stopping")
     except RunError as e:
@@ -781,7 +922,8 @@ def main(argv: list[str]) -> int:
         "js": json.loads((src / "packages/js-sdk/package.json").read_text())["version"],
     }
     meta = {"e2b_src": str(src), "e2b_commit": git_head(src), "sdk_versions": sdk_versions,
-            "aenv_commit": git_head(ROOT), "aenv_uncommitted": changes,
+            "aenv_tree": str(ROOT), "aenv_commit": git_head(ROOT), "aenv_uncommitted": changes,
+            "mode": f"tls+dns ({domain})" if domain else "plain-url", "server_url": server.url,
             "started": datetime.fromtimestamp(started, UTC).isoformat(timespec="seconds"),
             "minutes": round((time.time() - started) / 60, 1), "k": args.k,
             "files": args.files, "js_projects": list(JS_PROJECTS),
