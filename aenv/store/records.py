@@ -1,4 +1,5 @@
-"""Plain records as stored: one dataclass per table, JSON columns decoded.
+"""Plain records as stored: one dataclass per table, JSON columns decoded, and the
+lifecycle columns (``state``, ``kind``, ``status``) read back as their enums (``states``).
 
 The orchestrator owns what the values mean; the API turns records into E2B shapes.
 """
@@ -8,8 +9,12 @@ from __future__ import annotations
 import functools
 import json
 import sqlite3
+import typing
 from dataclasses import dataclass, field, fields
+from enum import StrEnum
 from typing import Any, TypeVar
+
+from .states import BuildStatus, SandboxState, TemplateKind
 
 T = TypeVar("T")
 
@@ -22,7 +27,7 @@ _BOOL_FIELDS = {"secure", "auto_pause", "auto_pause_memory", "auto_resume", "all
 class SandboxRecord:
     id: str
     template_id: str
-    state: str
+    state: SandboxState
     client_id: str
     started_at: float
     end_at: float
@@ -57,9 +62,9 @@ class SandboxRecord:
 @dataclass
 class TemplateRecord:
     id: str
-    kind: str
+    kind: TemplateKind
     build_id: str
-    status: str
+    status: BuildStatus
     cpu_count: int
     memory_mb: int
     disk_size_mb: int
@@ -85,7 +90,7 @@ class TemplateRecord:
 class BuildRecord:
     id: str
     template_id: str
-    status: str
+    status: BuildStatus
     created_at: float
     spec: dict[str, Any] | None = None
     reason: str | None = None
@@ -94,20 +99,30 @@ class BuildRecord:
 
 
 @functools.cache
-def _plan(cls: type, columns: tuple[str, ...]) -> tuple[tuple[int, str, int], ...]:
-    """(column index, field name, decode: 0 none / 1 json / 2 bool) for each field the
-    row has: worked out once per record type and column list, not per row."""
+def _plan(cls: type, columns: tuple[str, ...]) -> tuple[tuple[int, str, Any], ...]:
+    """(column index, field name, decode: None, ``json.loads``, ``bool`` or the field's
+    enum) for each field the row has: worked out once per record type and column list,
+    not per row."""
+    hints = typing.get_type_hints(cls)
     names = {f.name for f in fields(cls)}
-    return tuple((i, c, 1 if c in _JSON_FIELDS else 2 if c in _BOOL_FIELDS else 0)
-                 for i, c in enumerate(columns) if c in names)
+
+    def decoder(name: str) -> Any:
+        if name in _JSON_FIELDS:
+            return json.loads
+        if name in _BOOL_FIELDS:
+            return bool
+        hint = hints.get(name)
+        return hint if isinstance(hint, type) and issubclass(hint, StrEnum) else None
+
+    return tuple((i, c, decoder(c)) for i, c in enumerate(columns) if c in names)
 
 
 def from_row(cls: type[T], row: sqlite3.Row, **extra: Any) -> T:
     values: dict[str, Any] = {}
     for i, name, decode in _plan(cls, tuple(row.keys())):
         v = row[i]
-        if v is not None and decode:
-            v = json.loads(v) if decode == 1 else bool(v)
+        if v is not None and decode is not None:
+            v = decode(v)
         values[name] = v
     values.update(extra)
     return cls(**values)

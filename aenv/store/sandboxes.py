@@ -1,7 +1,9 @@
 """Sandbox rows: insert, compare-and-set state transitions, queries for the API.
 
 ``transition`` is the only way the state column changes: it names the states a sandbox may
-be in for the change to apply, so concurrent requests race in SQLite, not in our code.
+be in for the change to apply, so concurrent requests race in SQLite, not in our code. It
+refuses a change that ``states.TRANSITIONS`` does not list (``IllegalTransition``) before
+it writes anything.
 """
 
 from __future__ import annotations
@@ -11,10 +13,9 @@ from typing import Any
 
 from .db import Database
 from .records import SandboxRecord, encode_changes, from_row, to_columns
+from .states import LIVE_STATES, SandboxState, check_transition
 
-# States in which a sandbox exists for the API (the rest are history).
-LIVE_STATES = ("creating", "running", "pausing", "paused", "resuming", "snapshotting",
-               "forking", "killing")
+__all__ = ["LIVE_STATES", "SandboxStore"]
 
 
 class SandboxStore:
@@ -45,12 +46,13 @@ class SandboxStore:
         return from_row(SandboxRecord, rows[0]) if rows else None
 
     def transition(
-        self, sandbox_id: str, from_states: Iterable[str], to_state: str, **changes: Any
+        self, sandbox_id: str, from_states: Iterable[SandboxState], to_state: SandboxState,
+        **changes: Any
     ) -> bool:
         """Set ``state=to_state`` (and ``changes``) only if the current state is one of
-        ``from_states``. True when this call made the change."""
-        src = tuple(from_states)
-        changes["state"] = to_state
+        ``from_states``. True when this call made the change. Raises
+        ``IllegalTransition`` when a ``from_states → to_state`` is not in the table."""
+        src, changes["state"] = check_transition(sandbox_id, from_states, to_state)
         cols = encode_changes(changes)
         sets = ",".join(f"{k} = ?" for k in cols)
         with self.db.transaction() as c:
@@ -71,7 +73,7 @@ class SandboxStore:
                 (*cols.values(), sandbox_id),
             )
 
-    def in_states(self, states: Iterable[str]) -> list[SandboxRecord]:
+    def in_states(self, states: Iterable[SandboxState]) -> list[SandboxRecord]:
         st = tuple(states)
         rows = self.db.query(
             f"SELECT * FROM sandboxes WHERE state IN ({','.join('?' * len(st))}) ORDER BY seq",
@@ -79,7 +81,7 @@ class SandboxStore:
         )
         return [from_row(SandboxRecord, r) for r in rows]
 
-    def page(self, *, states: Iterable[str], metadata: dict[str, str] | None = None,
+    def page(self, *, states: Iterable[SandboxState], metadata: dict[str, str] | None = None,
              started_after: float | None = None, template: str | None = None,
              descending: bool = True, after: tuple[float, str] | None = None,
              limit: int = 100) -> list[SandboxRecord]:
@@ -111,7 +113,7 @@ class SandboxStore:
     def live(self) -> list[SandboxRecord]:
         return self.in_states(LIVE_STATES)
 
-    def count(self, states: Iterable[str]) -> int:
+    def count(self, states: Iterable[SandboxState]) -> int:
         st = tuple(states)
         return self.db.query(
             f"SELECT COUNT(*) FROM sandboxes WHERE state IN ({','.join('?' * len(st))})", st
@@ -119,8 +121,8 @@ class SandboxStore:
 
     def expired(self, now: float) -> list[SandboxRecord]:
         rows = self.db.query(
-            "SELECT * FROM sandboxes WHERE state = 'running' AND end_at <= ? ORDER BY end_at",
-            (now,),
+            "SELECT * FROM sandboxes WHERE state = ? AND end_at <= ? ORDER BY end_at",
+            (SandboxState.RUNNING, now),
         )
         return [from_row(SandboxRecord, r) for r in rows]
 

@@ -37,9 +37,9 @@ from typing import Any
 
 from .db import Database
 from .records import BuildRecord, TemplateRecord, encode_changes, from_row, to_columns
+from .states import BUILD_ENDED, BuildStatus, TemplateKind
 
 _HELD = -(1 << 62)  # seq of the first held-back line; the n-th is _HELD + n
-_ENDED = ("ready", "error")
 _BYTES = "length(CAST(message AS BLOB))"
 DEFAULT_TAG = "default"
 # What a build decides about its template: kept per build, what an older tag resolves to.
@@ -117,9 +117,9 @@ class TemplateStore:
                 self._claim_name(c, name, rec.id, rec.kind)
         return rec
 
-    def _claim_name(self, c, name: str, template_id: str, kind: str | None) -> None:
+    def _claim_name(self, c, name: str, template_id: str, kind: TemplateKind | None) -> None:
         base, sep, _ = name.partition(":")
-        if sep and base and kind == "template" and (base == template_id or c.execute(
+        if sep and base and kind == TemplateKind.TEMPLATE and (base == template_id or c.execute(
                 "SELECT 1 FROM template_names WHERE name = ? AND template_id = ?",
                 (base, template_id)).fetchone()):
             return  # a tag of this template: its builds carry it (template_tags)
@@ -181,8 +181,8 @@ class TemplateStore:
         if build_id and build_id == rec.build_id:
             return build_id, None
         rows = self.db.query("SELECT outcome FROM builds WHERE id = ? AND template_id = ? "
-                             "AND status = 'ready' AND outcome IS NOT NULL",
-                             (build_id, rec.id))
+                             "AND status = ? AND outcome IS NOT NULL",
+                             (build_id, rec.id, BuildStatus.READY))
         if rows:
             return build_id, json.loads(rows[0][0])
         if key == DEFAULT_TAG and rec.build_id:
@@ -194,7 +194,7 @@ class TemplateStore:
             "SELECT name FROM template_names WHERE template_id = ? ORDER BY name", (row["id"],))]
         return from_row(TemplateRecord, row, names=names)
 
-    def list(self, kind: str | None = None, source_sandbox: str | None = None,
+    def list(self, kind: TemplateKind | None = None, source_sandbox: str | None = None,
              name: str | None = None) -> list[TemplateRecord]:
         sql, params = "SELECT * FROM templates WHERE 1=1", []
         if kind:
@@ -236,7 +236,7 @@ class TemplateStore:
         rows = self.db.query("SELECT * FROM builds WHERE id = ?", (build_id,))
         return from_row(BuildRecord, rows[0]) if rows else None
 
-    def builds_in(self, statuses: tuple[str, ...]) -> list[BuildRecord]:
+    def builds_in(self, statuses: tuple[BuildStatus, ...]) -> list[BuildRecord]:
         rows = self.db.query(
             f"SELECT * FROM builds WHERE status IN ({','.join('?' * len(statuses))})", statuses)
         return [from_row(BuildRecord, r) for r in rows]
@@ -246,13 +246,13 @@ class TemplateStore:
         so a client that sees the final status also finds the last lines."""
         cols = encode_changes(changes)
         with self.db.write() as c:
-            if changes.get("status") in _ENDED:
+            if changes.get("status") in BUILD_ENDED:
                 self._show_held(c, build_id)
             c.execute(f"UPDATE builds SET {','.join(f'{k} = ?' for k in cols)} WHERE id = ?",
                       (*cols.values(), build_id))
-            if changes.get("status") == "ready":
+            if changes.get("status") == BuildStatus.READY:
                 self._tag_ready_build(c, build_id)
-        if changes.get("status") in _ENDED:
+        if changes.get("status") in BUILD_ENDED:
             self._tallies.pop(build_id, None)
 
     def set_build_tags(self, build_id: str, tags: list[str]) -> None:
@@ -301,7 +301,8 @@ class TemplateStore:
             rows = self.db.query(
                 "SELECT t.build_id, COALESCE(b.finished_at, t.created_at) FROM templates t "
                 "LEFT JOIN builds b ON b.id = t.build_id "
-                "WHERE t.id = ? AND t.status = 'ready' AND t.build_id != ''", (template_id,))
+                "WHERE t.id = ? AND t.status = ? AND t.build_id != ''",
+                (template_id, BuildStatus.READY))
             if rows:
                 out.append(TemplateTag(DEFAULT_TAG, rows[0][0], rows[0][1]))
                 out.sort(key=lambda t: t.tag)
@@ -345,7 +346,7 @@ class TemplateStore:
                 "(SELECT MAX(seq) FROM build_logs WHERE build_id = ?1 AND seq < 0)",
                 (build_id,)).fetchone()
             shown = 0 if top is None else top + 1
-            if status in _ENDED:
+            if status in BUILD_ENDED:
                 # A line or two after the end ("build finished"): shown, within a margin.
                 if shown < lim.head_lines + lim.tail_lines + 16:
                     self._insert(c, build_id, shown, level, step, message)
