@@ -48,7 +48,15 @@ from typing import Any
 
 from ..client.envd import ENVD_PORT, EnvdClient, EnvdError
 from ..storage import build_archives
-from ..store import BuildRecord, SandboxRecord, TemplateRecord, TemplateStore
+from ..store import (
+    BuildRecord,
+    BuildStatus,
+    SandboxRecord,
+    SandboxState,
+    TemplateKind,
+    TemplateRecord,
+    TemplateStore,
+)
 from .admission import Admission, Ask
 from .errors import Conflict, InvalidRequest, LimitReached, TemplateNotFound
 from .ids import new_id, new_layer_ref, new_snapshot_ref, new_token
@@ -312,11 +320,11 @@ class Builder:
         tags = list(dict.fromkeys([tag or "default", *(tags or [])]))
         now = time.time()
         existing = self.templates.get(base)
-        if existing is not None and existing.kind != "template":
+        if existing is not None and existing.kind != TemplateKind.TEMPLATE:
             raise Conflict(f"'{base}' names a snapshot, not a template")
         if existing is None:
             tpl = TemplateRecord(
-                id=new_id(), kind="template", build_id="", status="waiting",
+                id=new_id(), kind=TemplateKind.TEMPLATE, build_id="", status=BuildStatus.WAITING,
                 cpu_count=cpu_count or DEFAULT_CPU, memory_mb=memory_mb or DEFAULT_MEMORY_MB,
                 disk_size_mb=DEFAULT_DISK_MB, created_at=now, updated_at=now, names=[base])
             self.templates.insert(tpl)
@@ -326,12 +334,13 @@ class Builder:
                 self.templates.update(tpl.id, cpu_count=cpu_count or tpl.cpu_count,
                                       memory_mb=memory_mb or tpl.memory_mb)
         names = [base] + [f"{base}:{t}" for t in tags]
-        for old in self.templates.builds_in(("waiting",)):
+        for old in self.templates.builds_in((BuildStatus.WAITING,)):
             old_tags = set((old.spec or {}).get("names", [])[1:])
             if old.template_id == tpl.id and old_tags & set(names[1:]):
                 self._fail(old.id, tpl.id, None, SUPERSEDED)
         # A UUID, as E2B's: the SDK parses build ids in tag answers as UUIDs.
-        build = BuildRecord(id=str(uuid.uuid4()), template_id=tpl.id, status="waiting",
+        build = BuildRecord(id=str(uuid.uuid4()), template_id=tpl.id,
+                            status=BuildStatus.WAITING,
                             created_at=now, spec={"names": names})
         self.templates.insert_build(build)
         self._settle(tpl.id)
@@ -350,7 +359,7 @@ class Builder:
         build = self.templates.get_build(build_id)
         if tpl is None or build is None or build.template_id != tpl.id:
             raise TemplateNotFound(f"{template_id}/{build_id}")
-        if build.status != "waiting":
+        if build.status != BuildStatus.WAITING:
             raise Conflict(f"build {build_id} was already started")
 
         def refuse(step: str, error: Exception) -> Exception:
@@ -362,7 +371,7 @@ class Builder:
                 "fromImage needs an OCI registry, which this node does not pull from; "
                 "build from a template (fromTemplate) instead"))
         parent = self.templates.get(spec.get("fromTemplate") or "base")
-        if parent is None or parent.status != "ready":
+        if parent is None or parent.status != BuildStatus.READY:
             raise refuse("base", TemplateNotFound(spec.get("fromTemplate") or "base"))
         for i, step in enumerate(spec.get("steps") or [], start=1):
             kind = step.get("type")
@@ -383,7 +392,8 @@ class Builder:
             except LimitReached as e:
                 raise refuse("base", e) from None
         names = (build.spec or {}).get("names", [])
-        self.templates.update_build(build_id, status="building", spec={**spec, "names": names})
+        self.templates.update_build(build_id, status=BuildStatus.BUILDING,
+                                    spec={**spec, "names": names})
         self._settle(template_id)
         task = asyncio.create_task(self._run(tpl.id, build_id, parent, spec, names),
                                    name=f"aenv-build-{build_id}")
@@ -393,7 +403,7 @@ class Builder:
     def expire_waiting(self, now: float | None = None) -> None:
         """Fail reservations not started within ``waiting_deadline`` of their request."""
         now = time.time() if now is None else now
-        for b in self.templates.builds_in(("waiting",)):
+        for b in self.templates.builds_in((BuildStatus.WAITING,)):
             if now - b.created_at > self.waiting_deadline:
                 self._fail(b.id, b.template_id, None, WAITED_TOO_LONG)
 
@@ -401,8 +411,8 @@ class Builder:
         """Builds interrupted by a restart cannot continue: mark them failed. Reservations
         are kept (a client may still start them) until their deadline; from here on they
         are swept every ``SWEEP_INTERVAL_S`` when there is an event loop."""
-        for b in self.templates.builds_in(("waiting", "building")):
-            if b.status == "building":
+        for b in self.templates.builds_in((BuildStatus.WAITING, BuildStatus.BUILDING)):
+            if b.status == BuildStatus.BUILDING:
                 self._fail(b.id, b.template_id, "finalize", "the server restarted during the build")
         self.expire_waiting()
         try:
@@ -437,8 +447,8 @@ class Builder:
 
     def _fail(self, build_id: str, template_id: str, step: str | None, message: str) -> None:
         self._log(build_id, f"Build failed: {message}", step=step, level="error")
-        self.templates.update_build(build_id, status="error", reason=message, reason_step=step,
-                                    finished_at=time.time())
+        self.templates.update_build(build_id, status=BuildStatus.ERROR, reason=message,
+                                    reason_step=step, finished_at=time.time())
         self._settle(template_id)
 
     def _settle(self, template_id: str) -> None:
@@ -446,11 +456,12 @@ class Builder:
         latest build's): ``building`` or ``waiting`` while one is, else ``error``. A ready
         template stays ready: its image still serves while it is rebuilt."""
         tpl = self.templates.get(template_id)
-        if tpl is None or tpl.status == "ready":
+        if tpl is None or tpl.status == BuildStatus.READY:
             return
-        live = {b.status for b in self.templates.builds_in(("waiting", "building"))
-                if b.template_id == template_id}
-        status = "building" if "building" in live else "waiting" if live else "error"
+        live = {b.status for b in self.templates.builds_in(
+            (BuildStatus.WAITING, BuildStatus.BUILDING)) if b.template_id == template_id}
+        status = BuildStatus.BUILDING if BuildStatus.BUILDING in live else \
+            BuildStatus.WAITING if live else BuildStatus.ERROR
         if status != tpl.status:
             self.templates.update(template_id, status=status)
 
@@ -468,7 +479,8 @@ class Builder:
         tpl = self.templates.get(template_id)
         assert tpl is not None
         vm = SandboxRecord(
-            id=new_id(), template_id=parent.id, state="building", client_id="aenv-build",
+            id=new_id(), template_id=parent.id, state=SandboxState.BUILDING,
+            client_id="aenv-build",
             started_at=time.time(), end_at=time.time() + 3600, cpu_count=tpl.cpu_count,
             memory_mb=tpl.memory_mb, disk_size_mb=tpl.disk_size_mb, env_vars=parent.env_vars,
             envd_token=new_token(), metadata={"aenv.build": build_id})
@@ -519,13 +531,13 @@ class Builder:
             if started:
                 await self.machines.stop(vm)
         self.templates.update(
-            template_id, status="ready", build_id=build_id, image=image, parent_id=parent.id,
-            env_vars=ctx.env, workdir=ctx.workdir, user=ctx.default_user,
+            template_id, status=BuildStatus.READY, build_id=build_id, image=image,
+            parent_id=parent.id, env_vars=ctx.env, workdir=ctx.workdir, user=ctx.default_user,
             start_cmd=spec.get("startCmd"), ready_cmd=spec.get("readyCmd"),
             build_count=tpl.build_count + 1, envd_token=vm.envd_token)
         for name in names:
             self.templates.add_name(template_id, name)
-        self.templates.update_build(build_id, status="ready", finished_at=time.time())
+        self.templates.update_build(build_id, status=BuildStatus.READY, finished_at=time.time())
         self._log(build_id, "build finished", step="finalize")
 
     async def _step(self, envd: EnvdClient, build_id: str, step: str, s: dict[str, Any],

@@ -28,7 +28,7 @@ import httpx
 
 from ..client.envd import ENVD_PORT, EnvdClient, EnvdError
 from ..client.http import plain_client
-from ..store import SandboxStore
+from ..store import SandboxState, SandboxStore
 
 log = logging.getLogger("aenv.metrics")
 
@@ -124,7 +124,7 @@ class MetricsCollector:
     async def collect_once(self) -> None:
         """Sample every running sandbox once, concurrently; each sample is bounded by
         ``SAMPLE_TIMEOUT_S`` and none can fail the round."""
-        running = self.sandboxes.in_states(("running",))
+        running = self.sandboxes.in_states((SandboxState.RUNNING,))
         live = {r.id for r in running}
         for gone in set(self._samples) - live:
             if self.sandboxes.get(gone) is None:

@@ -2,7 +2,9 @@
 
 States: ``creating → running ⇄ (pausing → paused → resuming) … → killing → killed``, plus
 ``snapshotting`` and ``forking`` as brief detours from ``running``, and ``lost`` for a
-sandbox whose VM vanished (a crash). Every change of state is a compare-and-set in the
+sandbox whose VM vanished (a crash); ``store.states`` has them as ``SandboxState`` and the
+one table of changes between them (``TRANSITIONS``), which the store enforces: a change
+not in it raises ``IllegalTransition``. Every change of state is a compare-and-set in the
 store, and every operation on one sandbox runs under that sandbox's lock, so a pause that
 arrives while a kill is in flight waits and then finds the sandbox gone, and two connects
 to one paused sandbox resume it once.
@@ -19,7 +21,16 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..store import SandboxRecord, SandboxStore, TemplateRecord, TemplateStore
+from ..store import (
+    VM_STATES,
+    BuildStatus,
+    SandboxRecord,
+    SandboxState,
+    SandboxStore,
+    TemplateKind,
+    TemplateRecord,
+    TemplateStore,
+)
 from .admission import Admission, Ask, Budget
 from .errors import (
     Conflict,
@@ -42,10 +53,10 @@ PURGE_INTERVAL_S = 3600
 # Options of a sandbox's network fixed at create; an update replaces everything else.
 _CREATE_ONLY_NETWORK = ("allowPublicTraffic", "maskRequestHost", "httpsPorts")
 MAX_TIMEOUT_S = 24 * 3600
-
-
-# States in which a sandbox holds a VM (or is getting one): what admission counts.
-VM_STATES = ("creating", "running", "resuming", "forking", "snapshotting", "pausing")
+# States whose VM a restart may find alive (a capture or pause under way): re-attached,
+# such a sandbox runs on.
+_REATTACHABLE = (SandboxState.RUNNING, SandboxState.SNAPSHOTTING, SandboxState.FORKING,
+                 SandboxState.PAUSING)
 
 
 @dataclass(frozen=True)
@@ -133,7 +144,7 @@ class Orchestrator:
 
     def template(self, id_or_name: str) -> TemplateRecord:
         tpl = self.templates.get(id_or_name)
-        if tpl is None or tpl.status != "ready":
+        if tpl is None or tpl.status != BuildStatus.READY:
             raise TemplateNotFound(id_or_name)
         return tpl
 
@@ -180,7 +191,7 @@ class Orchestrator:
             id=new_id(),
             template_id=tpl.id,
             alias=tpl.names[0] if tpl.names else None,
-            state="creating",
+            state=SandboxState.CREATING,
             client_id=opts.client_id,
             started_at=now,
             end_at=now + opts.timeout,
@@ -215,13 +226,13 @@ class Orchestrator:
                     with self.pins.hold(tpl.image):
                         placement = await self.machines.start(rec, tpl)
                 except Exception as e:
-                    self._end(rec.id, "killed", f"start failed: {e}")
+                    self._end(rec.id, SandboxState.KILLED, f"start failed: {e}")
                     log.exception("sandbox %s: start failed", rec.id)
                     raise StartFailed(f"sandbox could not be started: {e}") from e
                 now = self.clock()
                 if not self.sandboxes.transition(
-                        rec.id, ["creating"], "running", **_placed(placement),
-                        end_at=now + timeout):
+                        rec.id, [SandboxState.CREATING], SandboxState.RUNNING,
+                        **_placed(placement), end_at=now + timeout):
                     await self.machines.stop(rec)
                     raise SandboxNotFound(rec.id)
                 self.templates.update(tpl.id, last_spawned_at=now,
@@ -244,7 +255,7 @@ class Orchestrator:
         with self.pins.hold(ref):
             async with self._lock(sandbox_id):
                 rec = self.get(sandbox_id)
-                await self._capture(rec, "snapshotting", ref)
+                await self._capture(rec, SandboxState.SNAPSHOTTING, ref)
             return self._insert_snapshot(rec, ref, name)
 
     def _insert_snapshot(self, rec: SandboxRecord, ref: str, name: str | None
@@ -254,7 +265,7 @@ class Orchestrator:
         names = [name] if name else []
         tpl = self.templates.get(rec.template_id)
         snap = TemplateRecord(
-            id=snap_id, kind="snapshot", build_id=snap_id, status="ready",
+            id=snap_id, kind=TemplateKind.SNAPSHOT, build_id=snap_id, status=BuildStatus.READY,
             cpu_count=rec.cpu_count, memory_mb=rec.memory_mb, disk_size_mb=rec.disk_size_mb,
             created_at=now, updated_at=now, image=ref, parent_id=rec.template_id,
             source_sandbox=rec.id, env_vars=dict(rec.env_vars),
@@ -263,25 +274,25 @@ class Orchestrator:
         self.templates.insert(snap)
         return self.templates.get(snap_id) or snap
 
-    async def _capture(self, rec: SandboxRecord, state: str, ref: str) -> None:
+    async def _capture(self, rec: SandboxRecord, state: SandboxState, ref: str) -> None:
         """Freeze-capture-thaw ``rec`` (its lock held) through ``state`` into ``ref``
         (pinned by the caller)."""
-        if rec.state != "running":
+        if rec.state != SandboxState.RUNNING:
             raise Conflict(f"sandbox '{rec.id}' is {rec.state}, not running")
         if not self.machines.can_pause:
             raise Unsupported("this node cannot snapshot sandboxes")
         self.admission.check_pause(rec.memory_mb)
-        if not self.sandboxes.transition(rec.id, ["running"], state):
+        if not self.sandboxes.transition(rec.id, [SandboxState.RUNNING], state):
             raise Conflict(f"sandbox '{rec.id}' changed state")
         t0 = self.clock()
         try:
             await self.machines.snapshot(rec, ref)
         except Exception:
-            self.sandboxes.transition(rec.id, [state], "running")
+            self.sandboxes.transition(rec.id, [state], SandboxState.RUNNING)
             raise
         record_phases(state, {"total": self.clock() - t0})
         # The source's disk now reads through the snapshot: it keeps the snapshot alive.
-        self.sandboxes.transition(rec.id, [state], "running", restored_from=ref)
+        self.sandboxes.transition(rec.id, [state], SandboxState.RUNNING, restored_from=ref)
 
     async def fork(self, sandbox_id: str, count: int, timeout: int | None = None,
                    timings: dict[str, float] | None = None
@@ -307,13 +318,14 @@ class Orchestrator:
         t_capture = self.clock()
         async with self._lock(sandbox_id):
             src = self.get(sandbox_id)
-            await self._capture(src, "forking", ref)
+            await self._capture(src, SandboxState.FORKING, ref)
             src = self.get(sandbox_id)
         capture = self.clock() - t_capture
         src_tpl = self.templates.get(src.template_id)
         # The children start from the capture; the template is only their family name.
         image = TemplateRecord(
-            id=src.template_id, kind="snapshot", build_id="fork", status="ready",
+            id=src.template_id, kind=TemplateKind.SNAPSHOT, build_id="fork",
+            status=BuildStatus.READY,
             cpu_count=src.cpu_count, memory_mb=src.memory_mb, disk_size_mb=src.disk_size_mb,
             created_at=src.started_at, updated_at=src.started_at, image=ref,
             workdir=src_tpl.workdir if src_tpl else None,
@@ -364,7 +376,7 @@ class Orchestrator:
     async def _snapshot_template(self, tpl: TemplateRecord, key: str) -> None:
         now = self.clock()
         rec = SandboxRecord(
-            id=new_id(), template_id=tpl.id, state="building", client_id="aenv-template",
+            id=new_id(), template_id=tpl.id, state=SandboxState.BUILDING, client_id="aenv-template",
             started_at=now, end_at=now + 600, cpu_count=tpl.cpu_count,
             memory_mb=tpl.memory_mb, disk_size_mb=tpl.disk_size_mb, env_vars=tpl.env_vars,
             envd_token=new_token())
@@ -415,12 +427,12 @@ class Orchestrator:
     async def kill(self, sandbox_id: str) -> None:
         async with self._lock(sandbox_id):
             rec = self.get(sandbox_id)
-            if not self.sandboxes.transition(sandbox_id, [rec.state], "killing"):
+            if not self.sandboxes.transition(sandbox_id, [rec.state], SandboxState.KILLING):
                 raise SandboxNotFound(sandbox_id)
             try:
                 await self.machines.stop(rec)
             finally:
-                self._end(sandbox_id, "killed", "killed")
+                self._end(sandbox_id, SandboxState.KILLED, "killed")
                 await self._stopped(sandbox_id)
         self._locks.pop(sandbox_id, None)
         await self.collect_garbage()
@@ -449,7 +461,7 @@ class Orchestrator:
         fork keeps it. What cannot be updated (``allowPublicTraffic``) is kept."""
         async with self._lock(sandbox_id):
             rec = self.get(sandbox_id)
-            if rec.state != "running":
+            if rec.state != SandboxState.RUNNING:
                 raise Conflict(f"sandbox '{sandbox_id}' is {rec.state}; its network can be "
                                "changed while it runs")
             kept = {k: v for k, v in (rec.network or {}).items() if k in _CREATE_ONLY_NETWORK}
@@ -466,10 +478,10 @@ class Orchestrator:
         (rec, True); ``timings`` then receives the resume's phases (seconds)."""
         async with self._lock(sandbox_id):
             rec = self.get(sandbox_id)
-            if rec.state == "paused":
+            if rec.state == SandboxState.PAUSED:
                 await self._resume_locked(rec, timeout, timings)
                 return self.get(sandbox_id), True
-            if rec.state != "running":
+            if rec.state != SandboxState.RUNNING:
                 raise Conflict(f"sandbox '{sandbox_id}' is {rec.state}")
         if timeout is not None:
             self.extend_timeout(sandbox_id, timeout)
@@ -478,9 +490,9 @@ class Orchestrator:
     async def pause(self, sandbox_id: str, memory: bool = True) -> None:
         async with self._lock(sandbox_id):
             rec = self.get(sandbox_id)
-            if rec.state == "paused":
+            if rec.state == SandboxState.PAUSED:
                 raise Conflict(f"sandbox '{sandbox_id}' is already paused")
-            if rec.state != "running":
+            if rec.state != SandboxState.RUNNING:
                 raise Conflict(f"sandbox '{sandbox_id}' is {rec.state}")
             await self._pause_locked(rec, memory)
 
@@ -488,7 +500,7 @@ class Orchestrator:
                      timings: dict[str, float] | None = None) -> SandboxRecord:
         async with self._lock(sandbox_id):
             rec = self.get(sandbox_id)
-            if rec.state != "paused":
+            if rec.state != SandboxState.PAUSED:
                 raise Conflict(f"sandbox '{sandbox_id}' is already running")
             await self._resume_locked(rec, timeout, timings)
         return self.get(sandbox_id)
@@ -501,7 +513,8 @@ class Orchestrator:
         # The snapshot's name is recorded before it is written, so a restart can tell a
         # finished pause (complete snapshot) from an interrupted one.
         ref = new_snapshot_ref()
-        if not self.sandboxes.transition(rec.id, ["running"], "pausing", snapshot_id=ref):
+        if not self.sandboxes.transition(rec.id, [SandboxState.RUNNING], SandboxState.PAUSING,
+                                         snapshot_id=ref):
             raise Conflict(f"sandbox '{rec.id}' changed state")
         t0 = self.clock()
         try:
@@ -516,7 +529,7 @@ class Orchestrator:
         record_phases("pause", {"total": self.clock() - t0})
         await self._stopped(rec.id)
         self.sandboxes.transition(
-            rec.id, ["pausing"], "paused", restored_from=None,
+            rec.id, [SandboxState.PAUSING], SandboxState.PAUSED, restored_from=None,
             pause_mode="full" if memory else "filesystem", vm_pid=None, slot=None, host_ip=None,
         )
         await self.collect_garbage()
@@ -525,22 +538,24 @@ class Orchestrator:
         """No snapshot was committed: the sandbox runs on when its VM is still alive (the
         drivers give it back thawed), else it is lost — never ``running`` without a VM."""
         if self.machines.is_running(rec):
-            self.sandboxes.transition(rec.id, ["pausing"], "running", snapshot_id=None)
+            self.sandboxes.transition(rec.id, [SandboxState.PAUSING], SandboxState.RUNNING,
+                                      snapshot_id=None)
             log.warning("sandbox %s: pause failed, still running: %s", rec.id, error)
         else:
-            self._end(rec.id, "lost", f"pause failed and the VM is gone: {error}")
+            self._end(rec.id, SandboxState.LOST, f"pause failed and the VM is gone: {error}")
             log.error("sandbox %s: pause failed and the VM is gone: %s", rec.id, error)
 
     async def _resume_locked(self, rec: SandboxRecord, timeout: int | None,
                              timings: dict[str, float] | None = None) -> None:
         self.admission.check_start(Ask(rec.cpu_count, rec.memory_mb,
                                        cold=rec.pause_mode == "filesystem"))
-        if not self.sandboxes.transition(rec.id, ["paused"], "resuming"):
+        if not self.sandboxes.transition(rec.id, [SandboxState.PAUSED], SandboxState.RESUMING):
             raise Conflict(f"sandbox '{rec.id}' changed state")
         tpl = self.templates.get(rec.template_id)
         image = TemplateRecord(
-            id=rec.template_id, kind="snapshot", build_id="resume", status="ready",
-            cpu_count=rec.cpu_count, memory_mb=rec.memory_mb, disk_size_mb=rec.disk_size_mb,
+            id=rec.template_id, kind=TemplateKind.SNAPSHOT, build_id="resume",
+            status=BuildStatus.READY, cpu_count=rec.cpu_count, memory_mb=rec.memory_mb,
+            disk_size_mb=rec.disk_size_mb,
             created_at=rec.started_at, updated_at=rec.started_at, image=rec.snapshot_id,
             envd_token=rec.envd_token, user=tpl.user if tpl else None,
             workdir=tpl.workdir if tpl else None, env_vars=rec.env_vars)
@@ -548,14 +563,15 @@ class Orchestrator:
         try:
             placement = await self.machines.start(rec, image)
         except Exception:
-            self.sandboxes.transition(rec.id, ["resuming"], "paused")
+            self.sandboxes.transition(rec.id, [SandboxState.RESUMING], SandboxState.PAUSED)
             raise
         now = self.clock()
         record_phases("resume", {"total": now - t0, **placement.phases})
         if timings is not None:
             timings.update(placement.phases)
         self.sandboxes.transition(
-            rec.id, ["resuming"], "running", **_placed(placement), snapshot_id=None,
+            rec.id, [SandboxState.RESUMING], SandboxState.RUNNING, **_placed(placement),
+            snapshot_id=None,
             end_at=now + (timeout if timeout is not None else DEFAULT_TIMEOUT_S),
         )
 
@@ -585,7 +601,7 @@ class Orchestrator:
                     log.info("sandbox %s: TTL reached, pausing", rec.id)
                     async with self._lock(rec.id):
                         cur = self.sandboxes.get(rec.id)
-                        if cur and cur.state == "running" and cur.end_at <= self.clock():
+                        if cur and cur.state == SandboxState.RUNNING and cur.end_at <= self.clock():
                             await self._pause_locked(cur, rec.auto_pause_memory)
                 else:
                     log.info("sandbox %s: TTL reached, killing", rec.id)
@@ -602,33 +618,36 @@ class Orchestrator:
         caught in a snapshot or fork capture), finish interrupted kills, keep interrupted
         pauses whose snapshot is complete, report the rest lost."""
         for rec in self.sandboxes.live():
-            if rec.state == "paused":
+            if rec.state == SandboxState.PAUSED:
                 continue
-            if rec.state == "pausing" and rec.snapshot_id and \
+            if rec.state == SandboxState.PAUSING and rec.snapshot_id and \
                     self.machines.has_snapshot(rec.snapshot_id):
                 await self.machines.stop(rec)
-                self.sandboxes.transition(rec.id, ["pausing"], "paused", vm_pid=None,
-                                          slot=None, host_ip=None, restored_from=None)
+                self.sandboxes.transition(rec.id, [SandboxState.PAUSING], SandboxState.PAUSED,
+                                          vm_pid=None, slot=None, host_ip=None,
+                                          restored_from=None)
                 log.info("sandbox %s: its pause finished before the restart", rec.id)
                 continue
-            if rec.state in ("running", "snapshotting", "forking", "pausing") and \
-                    await self.machines.reattach(rec):
-                self.sandboxes.transition(rec.id, [rec.state], "running", snapshot_id=None)
+            if rec.state in _REATTACHABLE and await self.machines.reattach(rec):
+                self.sandboxes.transition(rec.id, [rec.state], SandboxState.RUNNING,
+                                          snapshot_id=None)
                 log.info("sandbox %s: re-attached after restart (was %s)", rec.id, rec.state)
                 continue
             await self.machines.stop(rec)
-            if rec.state == "killing":
-                self._end(rec.id, "killed", "killed")
-            elif rec.state == "resuming" and rec.snapshot_id:
+            if rec.state == SandboxState.KILLING:
+                self._end(rec.id, SandboxState.KILLED, "killed")
+            elif rec.state == SandboxState.RESUMING and rec.snapshot_id:
                 # The snapshot it was resuming from is intact: back to paused.
-                self.sandboxes.transition(rec.id, ["resuming"], "paused", vm_pid=None,
-                                          slot=None, host_ip=None)
+                self.sandboxes.transition(rec.id, [SandboxState.RESUMING], SandboxState.PAUSED,
+                                          vm_pid=None, slot=None, host_ip=None)
             else:
-                self._end(rec.id, "lost", f"VM gone after server restart (was {rec.state})")
+                self._end(rec.id, SandboxState.LOST,
+                          f"VM gone after server restart (was {rec.state})")
                 log.warning("sandbox %s: lost after restart (was %s)", rec.id, rec.state)
         await self.collect_garbage()
 
-    def _end(self, sandbox_id: str, state: str, reason: str) -> None:
+    def _end(self, sandbox_id: str, state: SandboxState, reason: str) -> None:
+        """End the sandbox (``killed`` or ``lost``) from whatever state it is in."""
         rec = self.sandboxes.get(sandbox_id, live_only=False)
         if rec is not None:
             self.sandboxes.transition(sandbox_id, [rec.state], state, reason=reason,
