@@ -52,7 +52,8 @@ class SettingsError(ValueError):
 @dataclass(frozen=True)
 class Var:
     """How one field is set: ``names`` are its environment variables, the first one set
-    wins; ``shown`` is the default as the docs write it, when it is computed."""
+    wins; ``shown`` is the default as the docs write it, when it is computed; ``flag``
+    the command-line option that overrides them."""
 
     names: tuple[str, ...]
     doc: str
@@ -60,6 +61,7 @@ class Var:
     parse: Callable[[str], Any] | None = None
     shown: str | None = None
     secret: bool = False
+    flag: str | None = None  # aenv server's option for it, which wins over the variable
 
     @property
     def name(self) -> str:
@@ -70,12 +72,12 @@ def setting(env: str | tuple[str, ...], default: Any = dataclasses.MISSING, *, d
             check: Callable[[Any], str | None] | None = None,
             parse: Callable[[str], Any] | None = None,
             default_factory: Callable[[], Any] | Any = dataclasses.MISSING,
-            shown: str | None = None, secret: bool = False) -> Any:
+            shown: str | None = None, secret: bool = False, flag: str | None = None) -> Any:
     """A settings field read from ``env``. ``check`` returns what is wrong with a parsed
     value (or None); ``parse`` replaces the one the annotation implies."""
     names = (env,) if isinstance(env, str) else tuple(env)
     return field(default=default, default_factory=default_factory,
-                 metadata={"var": Var(names, doc, check, parse, shown, secret)})
+                 metadata={"var": Var(names, doc, check, parse, shown, secret, flag)})
 
 
 # -- parsing and checks -----------------------------------------------------------------
@@ -247,7 +249,7 @@ class _Declared:
     @classmethod
     def markdown_table(cls) -> str:
         """The docs' table: one row per variable, in declaration order."""
-        rows = ["| variable | default | what |", "|---|---|---|"]
+        rows = ["| variable | default | what | flag |", "|---|---|---|---|"]
         for f, var in cls.variables():
             names = ", else ".join(f"`{n}`" for n in var.names)
             if var.shown is not None:
@@ -256,7 +258,8 @@ class _Declared:
                 default = "unset"
             else:
                 default = f"`{cls.default_text(f)}`"
-            rows.append(f"| {names} | {default} | {var.doc} |")
+            flag = f"`{var.flag}`" if var.flag else ""
+            rows.append(f"| {names} | {default} | {var.doc} | {flag} |")
         return "\n".join(rows)
 
 
@@ -277,31 +280,32 @@ class Settings(_Declared):
 
     # -- the listener
     listen_host: str = setting(
-        "AENV_LISTEN_HOST", "127.0.0.1",
-        doc="address of the one listener (REST API and sandbox traffic); `--host`")
+        "AENV_LISTEN_HOST", "127.0.0.1", flag="--host",
+        doc="address of the one listener (REST API and sandbox traffic)")
     listen_port: int = setting(
-        "AENV_LISTEN_PORT", 3000, check=_port, doc="its port; `--port`")
+        "AENV_LISTEN_PORT", 3000, flag="--port", check=_port,
+        doc="port of that listener")
     domain: str = setting(
-        "AENV_DOMAIN", "localhost",
-        doc="domain returned to SDKs; sandbox hosts are `<port>-<id>.<domain>`; `--domain`")
+        "AENV_DOMAIN", "localhost", flag="--domain",
+        doc="domain returned to SDKs; sandbox hosts are `<port>-<id>.<domain>`")
     tls_cert: Path | None = setting(
-        "AENV_TLS_CERT", None, check=_file,
+        "AENV_TLS_CERT", None, flag="--tls-cert", check=_file,
         doc="serve HTTPS with this PEM certificate (chain first to last), covering "
-            "`<domain>` and `*.<domain>`; `--tls-cert`")
+            "`<domain>` and `*.<domain>`")
     tls_key: Path | None = setting(
-        "AENV_TLS_KEY", None, check=_file,
-        doc="the unencrypted PEM private key of `AENV_TLS_CERT`; `--tls-key`")
+        "AENV_TLS_KEY", None, flag="--tls-key", check=_file,
+        doc="the unencrypted PEM private key of `AENV_TLS_CERT`")
     tls_self_signed: bool = setting(
-        "AENV_TLS_SELF_SIGNED", False,
+        "AENV_TLS_SELF_SIGNED", False, flag="--tls-self-signed",
         doc="serve HTTPS with a certificate from a local CA made once under "
-            "`$AENV_HOME/secrets/tls/<domain>/`; `--tls-self-signed`")
+            "`$AENV_HOME/secrets/tls/<domain>/`")
     api_key: str | None = setting(
         "AENV_API_KEY", None, secret=True,
         doc="fixed API key (32+ printable characters) instead of the one generated into "
             "`$AENV_HOME/secrets/api-key`")
     log_level: str = setting(
-        "AENV_LOG_LEVEL", "info", parse=_lower, check=_one_of(*LOG_LEVELS),
-        doc=f"{', '.join(LOG_LEVELS)}; `--log-level`")
+        "AENV_LOG_LEVEL", "info", flag="--log-level", parse=_lower,
+        check=_one_of(*LOG_LEVELS), doc=f"{', '.join(LOG_LEVELS)}")
 
     # -- where data lives
     home: Path = setting(
@@ -314,14 +318,14 @@ class Settings(_Declared):
 
     # -- capacity
     max_sandboxes: int = setting(
-        "AENV_MAX_SANDBOXES", 64, check=_at_least(0),
-        doc="sandboxes holding a VM at once; `--max-sandboxes`")
+        "AENV_MAX_SANDBOXES", 64, flag="--max-sandboxes", check=_at_least(0),
+        doc="sandboxes holding a VM at once")
     max_starting: int = setting(
-        "AENV_MAX_STARTING", 8, check=_at_least(0),
-        doc="sandboxes being created or resumed at once; `--max-starting`")
+        "AENV_MAX_STARTING", 8, flag="--max-starting", check=_at_least(0),
+        doc="sandboxes being created or resumed at once")
     max_fork: int = setting(
-        "AENV_MAX_FORK", 16, check=_at_least(0),
-        doc="most children of one fork; `--max-fork`")
+        "AENV_MAX_FORK", 16, flag="--max-fork", check=_at_least(0),
+        doc="most children of one fork")
     retention_hours: float = setting(
         "AENV_RETENTION_HOURS", 24.0, check=_at_least(0),
         doc="killed and lost sandboxes are forgotten this long after they ended")
@@ -350,9 +354,9 @@ class Settings(_Declared):
         "AENV_WARM_SLOTS", 16, check=_at_least(0),
         doc="network slots kept made ahead of demand")
     snapshot_base: bool = setting(
-        "AENV_SNAPSHOT_BASE", True,
+        "AENV_SNAPSHOT_BASE", True, flag="--snapshot-base/--no-snapshot-base",
         doc="keep the `base` template as a snapshot, so creates restore instead of "
-            "booting; `--snapshot-base/--no-snapshot-base`")
+            "booting")
 
     # -- host objects
     # One /32 per network slot.
@@ -423,8 +427,8 @@ class ClientSettings(_Declared):
     client on another machine needs none of the server's variables to be valid."""
 
     url: str = setting(
-        ("AENV_URL", "E2B_API_URL"), DEFAULT_URL,
-        doc="the server the CLI talks to; `--url`")
+        ("AENV_URL", "E2B_API_URL"), DEFAULT_URL, flag="--url",
+        doc="the server the CLI talks to")
     api_key: str | None = setting(
         ("AENV_API_KEY", "E2B_API_KEY"), None, secret=True,
         doc="the key the CLI sends; unset, a local server's `$AENV_HOME/secrets/api-key`")

@@ -20,13 +20,22 @@ from .api.app import create_api
 from .api.auth import load_api_key
 from .config import Settings
 from .envd.signing import signature as envd_signature
+from .orchestrator.admission import Budget
 from .orchestrator.builds import Builder
 from .orchestrator.machine import Machines
 from .orchestrator.metrics import MetricsCollector
 from .orchestrator.service import Limits, Orchestrator
 from .proxy import ProxyRouter, Route, RouteTable
 from .proxy.front import Front
-from .store import Database, SandboxStore, TemplateRecord, TemplateStore
+from .store import (
+    BuildStatus,
+    Database,
+    SandboxState,
+    SandboxStore,
+    TemplateKind,
+    TemplateRecord,
+    TemplateStore,
+)
 
 log = logging.getLogger("aenv.server")
 
@@ -41,6 +50,7 @@ BLOCKING_THREADS = 64
 class ServerOptions:
     domain: str = "localhost"
     limits: Limits = field(default_factory=Limits)
+    budget: Budget = field(default_factory=Budget)
     ttl_interval: float = 1.0
     metrics_interval: float = 5.0
     default_cpu: int = 1
@@ -48,6 +58,21 @@ class ServerOptions:
     default_disk_mb: int = 2048
     # Snapshot the built-in template at start-up (off: every create from it cold boots).
     snapshot_base: bool = True
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> ServerOptions:
+        """What ``aenv server`` runs with: the settings' domain, limits and budget."""
+        s = settings
+        return cls(
+            domain=s.domain, snapshot_base=s.snapshot_base,
+            limits=Limits(max_sandboxes=s.max_sandboxes, max_starting=s.max_starting,
+                          max_fork=s.max_fork, retention_s=s.retention_hours * 3600),
+            budget=Budget(cpu_overcommit=s.cpu_overcommit,
+                          memory_overcommit=s.memory_overcommit,
+                          disk_reserve_mb=s.disk_reserve_mb,
+                          max_cpu_per_sandbox=s.max_sandbox_cpu,
+                          max_memory_mb_per_sandbox=s.max_sandbox_memory_mb,
+                          max_disk_mb_per_sandbox=s.max_sandbox_disk_mb))
 
 
 class Server:
@@ -61,7 +86,8 @@ class Server:
         self.machines = machines
         self.orchestrator = Orchestrator(
             self.sandboxes, self.templates, machines,
-            limits=self.options.limits, ttl_interval=self.options.ttl_interval,
+            limits=self.options.limits, budget=self.options.budget,
+            ttl_interval=self.options.ttl_interval,
         )
         self.builder = Builder(self.templates, machines, settings.cache_dir / "build-files",
                                pins=self.orchestrator.pins,
@@ -69,7 +95,7 @@ class Server:
         self.metrics = MetricsCollector(self.sandboxes, interval=self.options.metrics_interval)
         self.proxy = ProxyRouter(RouteTable(self._route))
         self.orchestrator.on_stop.append(self.proxy.forget)
-        self.api_key, self.api_key_file = load_api_key(settings.secrets_dir)
+        self.api_key, self.api_key_file = load_api_key(settings.secrets_dir, settings.api_key)
 
         @asynccontextmanager
         async def lifespan(_: Any) -> AsyncIterator[None]:
@@ -107,7 +133,8 @@ class Server:
         if self.templates.get("base") is None:
             now = time.time()
             self.templates.insert(TemplateRecord(
-                id="base", kind="template", build_id="builtin", status="ready",
+                id="base", kind=TemplateKind.TEMPLATE, build_id="builtin",
+                status=BuildStatus.READY,
                 cpu_count=self.options.default_cpu, memory_mb=self.options.default_memory_mb,
                 disk_size_mb=self.options.default_disk_mb, created_at=now, updated_at=now,
                 names=["base"], user="user"))
@@ -126,10 +153,10 @@ class Server:
             return None
         # "pausing" too: the API already reports it as paused, and connect waits for the
         # pause to finish (it holds the sandbox's lock) before resuming.
-        if rec.state in ("pausing", "paused") and rec.auto_resume:
+        if rec.state in (SandboxState.PAUSING, SandboxState.PAUSED) and rec.auto_resume:
             log.info("sandbox %s: traffic while %s, resuming", sandbox_id, rec.state)
             rec, _ = await self.orchestrator.connect(sandbox_id, AUTO_RESUME_MIN_TIMEOUT_S)
-        if rec.state != "running" or not rec.host_ip:
+        if rec.state != SandboxState.RUNNING or not rec.host_ip:
             return None
         return Route(
             sandbox_id=rec.id, host_ip=rec.host_ip, generation=f"{rec.vm_pid}:{rec.host_ip}",
@@ -152,7 +179,7 @@ class Server:
 
     def _owner_of(self, matches: Callable[[str], bool]) -> str | None:
         """The running sandbox whose envd access token ``matches``."""
-        for rec in self.sandboxes.in_states(("running",)):
+        for rec in self.sandboxes.in_states((SandboxState.RUNNING,)):
             if rec.envd_token and matches(rec.envd_token):
                 return rec.id
         return None

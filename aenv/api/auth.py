@@ -1,7 +1,8 @@
 """API-key authentication: ``X-API-KEY`` on every REST call except ``/health``, ``/metrics``.
 
-The key is ``AENV_API_KEY`` when set (an empty value counts as unset, as docker-compose
-passes one), else read from ``AENV_HOME/secrets/api-key``, else generated there as ``e2b_``
+The key is ``AENV_API_KEY`` when set (``Settings.api_key``, which the caller passes; an
+empty value counts as unset, as docker-compose passes one), else read from
+``AENV_HOME/secrets/api-key``, else generated there as ``e2b_``
 + 40 hex digits (the form some SDK versions check), mode 0600. A new key is written whole
 or not at all: temporary file, fsync, link into place, fsync of the directory.
 
@@ -49,9 +50,11 @@ def _problem(key: str) -> str | None:
     return None
 
 
-def load_api_key(secrets_dir: Path) -> tuple[str, Path | None]:
-    """(key, file it lives in or None when it came from the environment)."""
-    env = os.environ.get(ENV_VAR, "").strip()
+def load_api_key(secrets_dir: Path, configured: str | None = None
+                 ) -> tuple[str, Path | None]:
+    """(key, file it lives in or None when it came from the environment): ``configured``
+    (``Settings.api_key``, from ``AENV_API_KEY``) when given, else the key file's."""
+    env = (configured or "").strip()
     if env:
         if problem := _problem(env):
             raise ApiKeyError(f"the API key in {ENV_VAR} {problem}; "

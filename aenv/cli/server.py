@@ -10,6 +10,10 @@ CA's under ``$AENV_HOME/secrets/tls/<domain>/``; a problem there also stops the 
 before it builds anything. uvicorn is then handed the socket already bound, and serves
 TLS on it when asked: REST and sandbox traffic alike, so with wildcard DNS an SDK needs
 only ``E2B_DOMAIN`` (``https://api.<domain>``, ``https://<port>-<id>.<domain>``).
+
+What it runs with is ``aenv.config.Settings``: each flag is a setting's ``flag=`` and, when
+given, wins over the setting's variable, which wins over the declared default; a bad
+value of either stops the server at once with an error naming the flag or the variable.
 """
 
 from __future__ import annotations
@@ -18,9 +22,13 @@ import errno
 import logging
 import os
 import socket
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import typer
+
+from ..config import Settings, SettingsError
 
 
 def register(app: typer.Typer) -> None:
@@ -51,69 +59,81 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _flag(name: str, **options: Any) -> Any:
+    """The option for setting ``name`` (its ``flag=`` in aenv.config): None unless given,
+    so the settings' value stands (the variable's, else the declared default)."""
+    f, var = next((f, v) for f, v in Settings.variables() if f.name == name)
+    default = (var.shown or Settings.default_text(f) or "unset").replace("`", "")
+    return typer.Option(None, var.flag, show_default=False, **options,
+                        help=f"{var.doc.replace('`', '')} (env {var.name}, default {default})")
+
+
+def server_settings(given: dict[str, Any], environ: Mapping[str, str] | None = None
+                    ) -> Settings:
+    """The settings ``aenv server`` runs with: its flags (``given``, None where absent)
+    over the environment over the declared defaults."""
+    flags = {f.name: v.flag.split("/")[0] for f, v in Settings.variables() if v.flag}
+    return Settings.from_env(environ).override(given, flags)
+
+
 def server(
-    host: str = typer.Option("127.0.0.1", envvar="AENV_LISTEN_HOST", help="address to listen on"),
-    port: int = typer.Option(3000, envvar="AENV_LISTEN_PORT", help="port for API and proxy"),
-    domain: str = typer.Option(
-        "localhost", envvar="AENV_DOMAIN",
-        help="domain returned to SDKs; sandbox hosts are <port>-<id>.<domain>"),
-    max_sandboxes: int = typer.Option(64, envvar="AENV_MAX_SANDBOXES"),
-    max_starting: int = typer.Option(8, envvar="AENV_MAX_STARTING"),
-    max_fork: int = typer.Option(16, envvar="AENV_MAX_FORK", help="most children per fork"),
-    log_level: str = typer.Option("info", envvar="AENV_LOG_LEVEL"),
-    snapshot_base: bool = typer.Option(
-        True, "--snapshot-base/--no-snapshot-base", envvar="AENV_SNAPSHOT_BASE",
-        help="keep 'base' as a snapshot so creates restore instead of booting"),
-    tls_cert: Path | None = typer.Option(
-        None, "--tls-cert", envvar="AENV_TLS_CERT", dir_okay=False,
-        help="serve HTTPS with this PEM certificate (chain first to last); it should "
-             "cover <domain> and *.<domain>"),
-    tls_key: Path | None = typer.Option(
-        None, "--tls-key", envvar="AENV_TLS_KEY", dir_okay=False,
-        help="the PEM private key of --tls-cert (unencrypted)"),
-    tls_self_signed: bool = typer.Option(
-        False, "--tls-self-signed", envvar="AENV_TLS_SELF_SIGNED",
-        help="serve HTTPS with a certificate for <domain> and *.<domain> from a local CA "
-             "made once under $AENV_HOME/secrets/tls/<domain>/; clients trust its ca.pem"),
+    host: str | None = _flag("listen_host"),
+    port: int | None = _flag("listen_port"),
+    domain: str | None = _flag("domain"),
+    max_sandboxes: int | None = _flag("max_sandboxes"),
+    max_starting: int | None = _flag("max_starting"),
+    max_fork: int | None = _flag("max_fork"),
+    log_level: str | None = _flag("log_level"),
+    snapshot_base: bool | None = _flag("snapshot_base"),
+    tls_cert: Path | None = _flag("tls_cert", dir_okay=False),
+    tls_key: Path | None = _flag("tls_key", dir_okay=False),
+    tls_self_signed: bool | None = _flag("tls_self_signed"),
 ) -> None:
     """Serve the E2B-compatible API and sandbox traffic on one listener."""
     import uvicorn
 
     from ..api.auth import ApiKeyError, load_api_key
-    from ..config import Settings
     from ..instance_lock import InstanceTaken, claim_instance
     from ..tls import TlsError, listener_tls
 
     if os.geteuid() != 0:
         typer.echo("aenv server needs root (network namespaces, taps, VMs)", err=True)
         raise typer.Exit(1)
-    logging.basicConfig(level=log_level.upper(),
+    try:
+        settings = server_settings({
+            "listen_host": host, "listen_port": port, "domain": domain,
+            "max_sandboxes": max_sandboxes, "max_starting": max_starting,
+            "max_fork": max_fork, "log_level": log_level and log_level.lower(),
+            "snapshot_base": snapshot_base, "tls_cert": tls_cert, "tls_key": tls_key,
+            "tls_self_signed": tls_self_signed})
+    except SettingsError as e:
+        typer.echo(f"aenv server: {e}", err=True)
+        raise typer.Exit(1) from None
+    s = settings
+    logging.basicConfig(level=s.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     # One line per proxied request is noise; aenv logs its own operations.
     for noisy in ("httpx", "qemu.qmp"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    settings = Settings.from_env()
+    log = logging.getLogger("aenv.server")
+    log.debug("%r", s)  # the API key shows as <hidden>
     try:
-        lock = claim_instance(settings)  # held until the process exits
-        sock = _listen(host, port)
-        load_api_key(settings.secrets_dir)  # refuse a bad key before building anything
-        tls = listener_tls(settings.secrets_dir, domain, cert=tls_cert, key=tls_key,
-                           self_signed=tls_self_signed)
+        lock = claim_instance(s)  # held until the process exits
+        sock = _listen(s.listen_host, s.listen_port)
+        load_api_key(s.secrets_dir, s.api_key)  # refuse a bad key before building anything
+        tls = listener_tls(s.secrets_dir, s.domain, cert=s.tls_cert, key=s.tls_key,
+                           self_signed=s.tls_self_signed)
     except (InstanceTaken, ListenError, ApiKeyError, TlsError) as e:
         typer.echo(f"aenv server: {e}", err=True)
         raise typer.Exit(1) from None
 
     from ..orchestrator.node import NodeMachines
-    from ..orchestrator.service import Limits
     from ..server import Server, ServerOptions
 
-    srv = Server(settings, NodeMachines(settings), ServerOptions(
-        domain=domain, limits=Limits(max_sandboxes=max_sandboxes, max_starting=max_starting,
-                      max_fork=max_fork),
-        snapshot_base=snapshot_base))
-    log = logging.getLogger("aenv.server")
+    srv = Server(s, NodeMachines(s), ServerOptions.from_settings(s))
+    host, port = s.listen_host, s.listen_port
     where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    log.info("data in %s; API key %s; listening on %s://%s", settings.home,
+    log.info("data in %s; API key %s; listening on %s://%s", s.home,
              srv.api_key_file or "from AENV_API_KEY", "https" if tls else "http", where)
     if tls is not None:
         log.info("TLS certificate %s for %s, valid until %s", tls.cert, ", ".join(tls.names),
@@ -123,7 +143,7 @@ def server(
         typer.echo(f"aenv server: TLS from the local CA {tls.ca}; clients trust it with "
                    f"SSL_CERT_FILE={tls.ca} (Python) or NODE_EXTRA_CA_CERTS={tls.ca} "
                    "(Node), or add it to the system's store", err=True)
-    config = uvicorn.Config(srv.app, host=host, port=port, log_level=log_level,
+    config = uvicorn.Config(srv.app, host=host, port=port, log_level=s.log_level,
                             access_log=False, timeout_keep_alive=300, lifespan="on",
                             **(tls.uvicorn_options() if tls else {}))
     uv = uvicorn.Server(config)

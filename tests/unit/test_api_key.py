@@ -13,6 +13,7 @@ import pytest
 from starlette.responses import PlainTextResponse
 
 from aenv.api.auth import MIN_KEY_LENGTH, ApiKeyError, ApiKeyMiddleware, load_api_key
+from aenv.config import Settings
 
 GOOD = "k" * MIN_KEY_LENGTH
 
@@ -60,19 +61,35 @@ def test_a_key_file_that_holds_no_usable_key_is_refused(tmp_path: Path, content:
     assert (tmp_path / "api-key").read_text() == content, "the file is left as it was"
 
 
-def test_a_short_AENV_API_KEY_is_refused(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setenv("AENV_API_KEY", "secret")
+def _configured(value: str) -> str | None:
+    """``Settings.api_key`` as the server reads it from ``AENV_API_KEY=value``."""
+    return Settings.from_env({"AENV_API_KEY": value}).api_key
+
+
+def test_a_short_AENV_API_KEY_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ApiKeyError, match=r"AENV_API_KEY .* at least 32"):
-        load_api_key(tmp_path)
+        load_api_key(tmp_path, _configured("secret"))
     assert not (tmp_path / "api-key").exists()
 
 
-def test_AENV_API_KEY_is_used_stripped_and_an_empty_one_means_unset(tmp_path, monkeypatch):
-    monkeypatch.setenv("AENV_API_KEY", f" {GOOD}\n")
-    assert load_api_key(tmp_path) == (GOOD, None)
-    monkeypatch.setenv("AENV_API_KEY", "")  # what docker-compose passes when it is unset
-    key, path = load_api_key(tmp_path)
+def test_AENV_API_KEY_is_used_stripped_and_an_empty_one_means_unset(tmp_path: Path) -> None:
+    assert load_api_key(tmp_path, _configured(f" {GOOD}\n")) == (GOOD, None)
+    # what docker-compose passes when it is unset
+    key, path = load_api_key(tmp_path, _configured(""))
     assert path == tmp_path / "api-key" and len(key) == 44
+
+
+def test_the_server_takes_the_key_from_its_settings_not_the_environment(
+        tmp_path: Path, monkeypatch) -> None:
+    from aenv.server import Server
+    from tests.control.process_machines import ProcessMachines
+
+    monkeypatch.setenv("AENV_API_KEY", "e2b_" + "e" * 40)
+    srv = Server(Settings(home=tmp_path, api_key=GOOD), ProcessMachines())
+    try:
+        assert (srv.api_key, srv.api_key_file) == (GOOD, None)
+    finally:
+        srv.db.close()
 
 
 def test_the_middleware_refuses_an_empty_or_short_key() -> None:
@@ -94,7 +111,6 @@ async def test_an_empty_x_api_key_is_401_and_the_right_one_passes() -> None:
 
 async def test_a_server_whose_key_file_was_left_empty_answers_401_to_an_empty_key(
         tmp_path: Path) -> None:
-    from aenv.config import Settings
     from aenv.server import Server
     from tests.control.process_machines import ProcessMachines
 
