@@ -14,7 +14,7 @@ from urllib.parse import unquote
 
 from ..store import SandboxRecord, SandboxStore
 from .errors import ApiError
-from .views import internal_states
+from .views import API_STATES, internal_states
 
 DEFAULT_LIMIT = 100
 MAX_LIMIT = 1000
@@ -36,9 +36,9 @@ def parse_metadata_filter(raw: str | None) -> dict[str, str]:
 
 def parse_states(raw: str | None) -> set[str]:
     if not raw:
-        return {"running", "paused"}
+        return set(API_STATES)
     states = {s.strip() for s in raw.split(",") if s.strip()}
-    bad = states - {"running", "paused"}
+    bad = states - API_STATES
     if bad:
         raise ApiError(400, f"invalid state filter: {', '.join(sorted(bad))}")
     return states

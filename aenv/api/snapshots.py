@@ -10,7 +10,7 @@ from fastapi import APIRouter, Body, Request, Response
 from fastapi.responses import JSONResponse
 
 from ..orchestrator.errors import TemplateNotFound
-from ..store import TemplateRecord
+from ..store import TemplateKind, TemplateRecord
 from . import listing, views
 from .errors import public_error
 from .models import ForkRequest, SnapshotRequest
@@ -37,7 +37,7 @@ async def list_snapshots(request: Request, sandboxID: str | None = None,
                          name: str | None = None, limit: int = listing.DEFAULT_LIMIT,
                          nextToken: str | None = None) -> Response:
     snaps = request.app.state.orchestrator.templates.list(
-        kind="snapshot", source_sandbox=sandboxID, name=name)
+        kind=TemplateKind.SNAPSHOT, source_sandbox=sandboxID, name=name)
     start = int(nextToken) if nextToken and nextToken.isdigit() else 0
     page = snaps[start:start + max(1, min(limit, listing.MAX_LIMIT))]
     more = start + len(page) < len(snaps)
@@ -48,7 +48,7 @@ async def list_snapshots(request: Request, sandboxID: str | None = None,
 @router.get("/snapshots/{snapshot_id}")
 async def get_snapshot(request: Request, snapshot_id: str) -> Response:
     snap = request.app.state.orchestrator.templates.get(snapshot_id)
-    if snap is None or snap.kind != "snapshot":
+    if snap is None or snap.kind != TemplateKind.SNAPSHOT:
         raise TemplateNotFound(snapshot_id)
     return JSONResponse(_info(snap))
 

@@ -43,7 +43,7 @@ from pydantic import Field
 from ..orchestrator.builds import Builder
 from ..orchestrator.errors import TemplateNotFound
 from ..storage import build_archives
-from ..store import TemplateRecord, TemplateStore
+from ..store import BuildStatus, TemplateKind, TemplateRecord, TemplateStore
 from ..store.templates import DEFAULT_TAG
 from .errors import ApiError
 from .models import AssignTemplateTags, DeleteTemplateTags, _Body
@@ -240,7 +240,7 @@ async def build_status(request: Request, template_id: str, build_id: str,
                     **({"step": e["step"]} if e["step"] else {})} for e in entries]
     out: dict[str, Any] = {"templateID": template_id, "buildID": build_id, "status": b.status,
                            "logs": [e["message"] for e in entries], "logEntries": log_entries}
-    if b.status == "error":
+    if b.status == BuildStatus.ERROR:
         out["reason"] = {"message": b.reason or "build failed",
                          **({"step": b.reason_step} if b.reason_step else {})}
     return JSONResponse(out)
@@ -249,7 +249,7 @@ async def build_status(request: Request, template_id: str, build_id: str,
 @router.get("/templates")
 @router.get("/v2/templates")
 async def list_templates(request: Request) -> Response:
-    return JSONResponse([_template(t) for t in store(request).list(kind="template")])
+    return JSONResponse([_template(t) for t in store(request).list(kind=TemplateKind.TEMPLATE)])
 
 
 @router.get("/templates/aliases/{alias:path}")

@@ -9,17 +9,24 @@ from fastapi.responses import JSONResponse
 
 from ..envd.state import ENVD_VERSION
 from ..orchestrator.timing import server_timing
-from ..store import SandboxRecord
+from ..store import SandboxRecord, SandboxState
 
-# The API folds aenv's lifecycle states into the two E2B knows.
-_API_STATE = {
-    "creating": "running", "running": "running", "resuming": "running",
-    "snapshotting": "running", "forking": "running", "killing": "running",
-    "pausing": "paused", "paused": "paused",
+# The API folds aenv's lifecycle states (the live ones) into the two E2B knows, by name.
+_API_STATE: dict[SandboxState, str] = {
+    SandboxState.CREATING: "running",
+    SandboxState.RUNNING: "running",
+    SandboxState.RESUMING: "running",
+    SandboxState.SNAPSHOTTING: "running",
+    SandboxState.FORKING: "running",
+    SandboxState.KILLING: "running",
+    SandboxState.PAUSING: "paused",
+    SandboxState.PAUSED: "paused",
 }
+# The states E2B's API knows: what a list's ``state`` filter may name.
+API_STATES = frozenset(_API_STATE.values())
 
 
-def internal_states(api_states: set[str]) -> tuple[str, ...]:
+def internal_states(api_states: set[str]) -> tuple[SandboxState, ...]:
     """The lifecycle states that the API shows as any of ``api_states``."""
     return tuple(k for k, v in _API_STATE.items() if v in api_states)
 

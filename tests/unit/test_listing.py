@@ -69,6 +69,14 @@ def test_paused_and_internal_states_fold_into_the_api_states() -> None:
     assert "s04" not in [r.id for r in page]
 
 
+def test_every_live_state_has_an_api_view_and_no_other_state_does() -> None:
+    from aenv.api.views import API_STATES, internal_states
+    from aenv.store import LIVE_STATES
+
+    assert set(API_STATES) == {"running", "paused"}
+    assert set(internal_states(API_STATES)) == set(LIVE_STATES)
+
+
 def test_metadata_keys_with_quotes_and_dots_match_exactly() -> None:
     recs = _store([_rec(1, **{'a.b"c': "v"}), _rec(2, a="v")])
     page, _ = select(recs, metadata={'a.b"c': "v"}, states={"running"})
