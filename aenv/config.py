@@ -185,6 +185,11 @@ class _Declared:
                 yield f, f.metadata["var"]
 
     @classmethod
+    def declared(cls, name: str) -> tuple[dataclasses.Field, Var]:
+        """Field ``name`` and its declaration."""
+        return next((f, var) for f, var in cls.variables() if f.name == name)
+
+    @classmethod
     def _parser(cls, f: dataclasses.Field, var: Var) -> Callable[[str], Any]:
         """``var.parse``, else the one for the field's annotated type."""
         return var.parse or _PARSERS[typing.get_type_hints(cls)[f.name]]

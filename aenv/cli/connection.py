@@ -3,19 +3,20 @@
 The server URL is ``--url``, else ``AENV_URL``, else ``E2B_API_URL``, else
 ``http://127.0.0.1:3000``. The key is ``AENV_API_KEY``, else ``E2B_API_KEY``, else — when
 the server is on this machine — the file the server keeps it in,
-``$AENV_HOME/secrets/api-key``. Commands run inside ``session()``, which turns every
-expected failure (no server, wrong key, unknown sandbox, envd errors) into one line on
-stderr and exit status 1 instead of a traceback.
+``$AENV_HOME/secrets/api-key``; the variables are ``aenv.config.ClientSettings``'s.
+Commands run inside ``session()``, which turns every expected failure (no server, wrong
+key, unknown sandbox, envd errors) into one line on stderr and exit status 1 instead of a
+traceback.
 """
 
 from __future__ import annotations
 
 import ipaddress
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -24,14 +25,18 @@ from rich.console import Console
 
 from ..client.api import ApiClient, ApiError, Unauthorized, Unreachable
 from ..client.envd import EnvdError
-from ..config import Settings
+from ..config import DEFAULT_URL, ClientSettings, Settings, SettingsError
 
-DEFAULT_URL = "http://127.0.0.1:3000"
-URL_ENV = ["AENV_URL", "E2B_API_URL"]
-KEY_ENV = ("AENV_API_KEY", "E2B_API_KEY")
 
-UrlOption = typer.Option(None, "--url", envvar=URL_ENV, show_envvar=True,
-                         help=f"aenv server URL (default: {DEFAULT_URL})")
+def _url_option() -> Any:
+    """``--url``: None unless given, so ``ClientSettings.url`` (its variables) stands."""
+    _, var = ClientSettings.declared("url")
+    return typer.Option(None, var.flag, show_default=False,
+                        help=f"aenv server URL (env {', else '.join(var.names)}; "
+                             f"default {DEFAULT_URL})")
+
+
+UrlOption = _url_option()
 
 stderr = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -57,17 +62,21 @@ def is_local(url: str) -> bool:
 
 
 def key_file() -> Path:
-    return Settings.from_env().secrets_dir / "api-key"
+    try:
+        return Settings.from_env().secrets_dir / "api-key"
+    except SettingsError as e:
+        raise ConnectionSetupError(f"cannot find the server's key file: {e}") from None
 
 
 def resolve(url: str | None) -> Connection:
-    url = (url or DEFAULT_URL).rstrip("/")
+    """``url`` is ``--url``'s value (None when not given)."""
+    client = ClientSettings.from_env()
+    url = (url or client.url).rstrip("/")
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConnectionSetupError(f"invalid server URL '{url}': expected http(s)://host:port")
-    for name in KEY_ENV:
-        if os.environ.get(name):
-            return Connection(url, os.environ[name].strip())
+    if client.api_key:
+        return Connection(url, client.api_key)
     if not is_local(url):
         raise ConnectionSetupError(
             f"no API key for {url}: set AENV_API_KEY (or E2B_API_KEY)")

@@ -29,10 +29,14 @@ def _free_disk(path) -> str:
 def doctor() -> None:
     """Check the host: kernel, virtualization, storage, networking."""
     from aenv import network, runtime
-    from aenv.config import Settings
+    from aenv.config import Settings, SettingsError
     from aenv.storage import disks
 
-    settings = Settings.from_env()
+    try:
+        settings = Settings.from_env()
+    except SettingsError as e:
+        typer.echo(f"aenv doctor: {e}", err=True)
+        raise typer.Exit(1) from None
     table = Table("check", "result")
     rows = [
         ("host kernel", f"{platform.release()} ({platform.machine()})"),

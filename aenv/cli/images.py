@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import typer
 from rich.console import Console
@@ -46,12 +47,15 @@ class _Steps:
 
 
 def _settings():
-    from ..config import Settings
+    from ..config import Settings, SettingsError
 
-    return Settings.from_env()
+    try:
+        return Settings.from_env()
+    except SettingsError as e:
+        _fail(e)
 
 
-def _fail(e: Exception) -> None:
+def _fail(e: Exception) -> NoReturn:
     Console(stderr=True).print(f"[red]error:[/red] {e}")
     raise typer.Exit(1)
 

@@ -62,7 +62,7 @@ def _listen(host: str, port: int) -> socket.socket:
 def _flag(name: str, **options: Any) -> Any:
     """The option for setting ``name`` (its ``flag=`` in aenv.config): None unless given,
     so the settings' value stands (the variable's, else the declared default)."""
-    f, var = next((f, v) for f, v in Settings.variables() if f.name == name)
+    f, var = Settings.declared(name)
     default = (var.shown or Settings.default_text(f) or "unset").replace("`", "")
     return typer.Option(None, var.flag, show_default=False, **options,
                         help=f"{var.doc.replace('`', '')} (env {var.name}, default {default})")

@@ -22,14 +22,15 @@ from typing import Any
 
 import httpx
 
-TLS_VERIFY_ENV = "AENV_TLS_VERIFY"
+from ..config import ClientSettings
 
 
 @functools.cache
 def tls_verification() -> ssl.SSLContext | bool:
     """What ``verify=`` gets: a shared verifying context, or False when
-    ``AENV_TLS_VERIFY`` is ``0``/``false``/``no``. Read once (``cache_clear`` to re-read)."""
-    if os.environ.get(TLS_VERIFY_ENV, "").strip().lower() in ("0", "false", "no"):
+    ``AENV_TLS_VERIFY`` (``ClientSettings.tls_verify``) is ``0``/``false``/``no``. Read
+    once (``cache_clear`` to re-read)."""
+    if not ClientSettings.from_env().tls_verify:
         return False
     cafile, capath = os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR")
     if cafile or capath:

@@ -58,3 +58,29 @@ def test_bad_url_is_refused(monkeypatch) -> None:
 ])
 def test_is_local(url: str, local: bool) -> None:
     assert is_local(url) is local
+
+
+def test_the_url_comes_from_aenv_url_else_e2b_api_url_and_url_wins(monkeypatch) -> None:
+    monkeypatch.setenv("AENV_API_KEY", "k")
+    monkeypatch.setenv("E2B_API_URL", "http://10.0.0.2:3000/")
+    assert resolve(None).url == "http://10.0.0.2:3000"
+    monkeypatch.setenv("AENV_URL", "http://10.0.0.1:3000")
+    assert resolve(None).url == "http://10.0.0.1:3000"
+    assert resolve("http://10.0.0.3:3000").url == "http://10.0.0.3:3000"
+
+
+def test_a_bad_server_setting_is_a_setup_error_not_a_traceback(monkeypatch) -> None:
+    monkeypatch.setenv("AENV_NAME_PREFIX", "Not-A-Prefix")
+    with pytest.raises(ConnectionSetupError, match="AENV_NAME_PREFIX="):
+        resolve(None)
+
+
+def test_the_cli_reads_the_url_from_the_environment(monkeypatch) -> None:
+    """``aenv sandbox ls`` with AENV_URL and no --url talks to AENV_URL's server."""
+    from typer.testing import CliRunner
+
+    from aenv.cli.main import app
+
+    monkeypatch.setenv("AENV_API_KEY", "k")
+    r = CliRunner().invoke(app, ["sandbox", "ls"], env={"AENV_URL": "http://127.0.0.1:9"})
+    assert r.exit_code == 1 and "127.0.0.1:9" in r.output, r.output
