@@ -6,7 +6,7 @@ find a server (``AENV_URL``, ``AENV_API_KEY``, their ``E2B_*`` fallbacks). Each 
 declared with ``setting(...)``: its variable(s), default and one-line description side by
 side, its type from the annotation. docs/install.md's tables are this module's output
 (``python -m aenv.config`` prints them; tests/deploy/test_settings_files.py compares the
-doc and the deployment files' defaults with the declarations).
+doc, deploy/systemd/aenv.env, the compose file and the k8s manifests with them).
 
 ``from_env()`` reads the environment once; callers pass the object down instead of
 reading variables themselves. An empty value counts as unset (docker-compose passes
@@ -21,8 +21,8 @@ downloads — may live elsewhere (``AENV_CACHE_HOME``, default: the home), so se
 (tests, a second server) can share them. The layout below is the one place that names
 those paths; modules ask ``Settings`` instead of joining strings themselves.
 
-Guest-side variables (envd's ``AENV_ENVD_*``) are not here: envd runs alone in the guest
-and reads its own (``aenv/envd``).
+Guest-side variables are not here: envd runs alone in the guest and reads its own
+(``AENV_ENVD_REQUIRE_SIGNATURE_EXPIRATION``, in ``aenv/envd``).
 """
 
 from __future__ import annotations

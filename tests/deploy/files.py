@@ -37,11 +37,11 @@ def image_ref() -> str:
 
 
 def variables_aenv_reads() -> set[str]:
-    """Every ``AENV_*`` name that appears in the host-side package (settings, CLI, API)."""
-    names: set[str] = set()
-    for path in (ROOT / "aenv").rglob("*.py"):
-        names.update(re.findall(r"\bAENV_[A-Z0-9_]+\b", path.read_text()))
-    return names
+    """Every ``AENV_*`` variable aenv.config declares (server and client settings)."""
+    from aenv.config import ClientSettings, Settings
+
+    return {n for cls in (Settings, ClientSettings) for _, var in cls.variables()
+            for n in var.names if n.startswith("AENV_")}
 
 
 def env_file_names(path: Path) -> set[str]:
