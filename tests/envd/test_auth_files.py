@@ -115,3 +115,28 @@ async def test_async_unknown_user_is_refused(async_sandbox, home_dir):
     with pytest.raises(AuthenticationException):
         await async_sandbox.files.make_dir(f"{home_dir}/d", user="nobody-here")
     assert not os.path.exists(f"{home_dir}/d")
+
+
+def test_a_refused_upload_reads_the_body_before_answering(envd, access_token):
+    """envd answers a refused upload only once the client has sent its body (up to
+    routes.DRAIN_BYTES): answering earlier closes a connection the client is still writing
+    to, and the client may then get a reset instead of the 401 (a transport error in the
+    SDK, seen under load). The body here arrives 0.5 s after the headers."""
+    import socket
+
+    body = b"x" * 200_000
+    head = (f"POST /files?path=/tmp/x&username=nobody-here HTTP/1.1\r\n"
+            f"Host: envd\r\nX-Access-Token: {access_token}\r\n"
+            f"Content-Type: application/octet-stream\r\nContent-Length: {len(body)}\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", envd.port), timeout=10) as s:
+        s.sendall(head.encode())
+        s.settimeout(0.5)
+        try:
+            early = s.recv(1024)
+        except TimeoutError:
+            early = b""
+        assert early == b"", "envd answered before the body was sent"
+        s.settimeout(10)
+        s.sendall(body)
+        answer = s.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 401"), answer[:200]

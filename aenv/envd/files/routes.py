@@ -18,6 +18,7 @@ optionally ``Content-Encoding: gzip``. ``X-Metadata-<Key>`` headers become the f
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -39,6 +40,9 @@ from .multipart import MultipartError, MultipartReader, parse_header_params
 from .upload import write_file
 
 _METADATA_PREFIX = b"x-metadata-"
+# What a refused upload may still send before the answer goes out (``_refused``).
+DRAIN_BYTES = 1 << 20
+DRAIN_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,24 @@ def _metadata(request: Request) -> dict[str, str]:
     return found
 
 
+async def _refused(request: Request, answer: Response) -> Response:
+    """Read (and drop) what is left of a refused upload's body, up to ``DRAIN_BYTES`` and
+    ``DRAIN_S``, before answering. A server that answers while the client is still sending
+    closes a connection the client may be writing to: the client can then get a reset
+    instead of the answer (seen as a transport error in the SDK, under load). Go's
+    net/http, E2B's envd, drains up to 256 KiB the same way."""
+    seen = 0
+    try:
+        async with asyncio.timeout(DRAIN_S):
+            async for chunk in request.stream():
+                seen += len(chunk)
+                if seen > DRAIN_BYTES:
+                    break
+    except (TimeoutError, ClientDisconnect, RuntimeError):  # RuntimeError: already read
+        pass
+    return answer
+
+
 def routes(state: EnvdState, *, require_signature_expiration: bool | None = None) -> list[Route]:
     """The two ``/files`` routes. ``require_signature_expiration`` None means the
     environment decides (``AENV_ENVD_REQUIRE_SIGNATURE_EXPIRATION``, read once here)."""
@@ -152,11 +174,12 @@ def routes(state: EnvdState, *, require_signature_expiration: bool | None = None
                 )
             return JSONResponse(entries)
         except FilesHTTPError as e:
-            return json_error(e.status, e.message)
+            return await _refused(request, json_error(e.status, e.message))
         except GzipDecodeError as e:
-            return json_error(400, f"error decompressing request body: {e}")
+            return await _refused(request, json_error(400, f"error decompressing request "
+                                                           f"body: {e}"))
         except MultipartError as e:
-            return json_error(400, f"error reading form: {e}")
+            return await _refused(request, json_error(400, f"error reading form: {e}"))
         except ClientDisconnect:
             return json_error(400, "client disconnected before the upload completed")
 
