@@ -676,6 +676,12 @@ def parse_vitest(path: Path, sdk: Path) -> list[Case]:
 # -- known environment failures -------------------------------------------------------------
 
 
+# How the suites reach the server: "domain" (E2B_DOMAIN, TLS on 443, wildcard DNS; the
+# default) or "plain-url" (E2B_API_URL / E2B_SANDBOX_URL). A known entry with a `mode`
+# applies only to runs in that mode.
+MODES = ("domain", "plain-url")
+
+
 @dataclass
 class Known:
     suite: str
@@ -684,14 +690,19 @@ class Known:
     why: str
 
 
-def load_known(path: Path) -> tuple[dict[str, str], list[Known]]:
+def load_known(path: Path, mode: str) -> tuple[dict[str, str], list[Known]]:
+    """The reasons, and the entries that apply to a run in ``mode``."""
     data = tomllib.loads(path.read_text())
     reasons = data.get("reasons", {})
     known = []
     for entry in data.get("known", []):
         if entry["reason"] not in reasons:
             raise RunError(f"{path}: {entry['test']}: unknown reason {entry['reason']!r}")
-        known.append(Known(entry["suite"], entry["test"], entry["reason"], entry.get("why", "")))
+        if entry.get("mode", mode) not in MODES:
+            raise RunError(f"{path}: {entry['test']}: unknown mode {entry['mode']!r}")
+        if entry.get("mode", mode) == mode:
+            known.append(Known(entry["suite"], entry["test"], entry["reason"],
+                               entry.get("why", "")))
     return reasons, known
 
 
@@ -768,7 +779,9 @@ def report(results: list[SuiteResult], reasons: dict[str, str], known: list[Know
                               for c in aenv_fail],
             "known_but_passed": passed_known,
         }
-    print("\n== totals ==")
+    mode = meta.get("mode", "plain-url")
+    print(f"\n== totals ({mode} mode" + (f", {meta['domain']}" if meta.get("domain") else "")
+          + f"; aenv {str(meta.get('aenv_commit', '?'))[:10]}) ==")
     for res in results:
         t = summary["suites"][res.suite]["totals"]
         env_n = sum(len(v) for v in summary["suites"][res.suite]["environment_failures"].values())
@@ -826,9 +839,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def report_again(out: Path, known_file: Path) -> int:
     """--report DIR: the results of an earlier run, classified with the current list."""
-    reasons, known = load_known(known_file)
     meta = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() \
         else {}
+    # Runs from before the domain mode existed were all plain-url runs.
+    reasons, known = load_known(known_file, meta.get("mode", "plain-url"))
     before = meta.pop("suites", {})
     results = []
     if (out / "python-junit.xml").exists():
@@ -863,7 +877,8 @@ def main(argv: list[str]) -> int:
     js_files = [f for f in args.files if f not in py_files]
     want_py = not args.js_only and (not args.files or bool(py_files))
     want_js = not args.python_only and (not args.files or bool(js_files))
-    reasons, known = load_known(args.known)
+    domain = None if args.plain_url else args.domain
+    reasons, known = load_known(args.known, "domain" if domain else "plain-url")
 
     cache = Settings.from_env().artifacts / "e2b-suite"
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
@@ -879,7 +894,6 @@ def main(argv: list[str]) -> int:
         print(f"e2b-suite: another run is in progress (lock: {cache / 'run.lock'})",
               file=sys.stderr)
         return 2
-    domain = None if args.plain_url else args.domain
     isolation = Isolation(domain, out / "dnsmasq.log")
     server = Server(out / "home", out / "server.log", SUITE_HOST_IP, domain)
     proc = SuiteProcess()
@@ -923,7 +937,8 @@ def main(argv: list[str]) -> int:
     }
     meta = {"e2b_src": str(src), "e2b_commit": git_head(src), "sdk_versions": sdk_versions,
             "aenv_tree": str(ROOT), "aenv_commit": git_head(ROOT), "aenv_uncommitted": changes,
-            "mode": f"tls+dns ({domain})" if domain else "plain-url", "server_url": server.url,
+            "mode": "domain" if domain else "plain-url", "domain": domain,
+            "server_url": server.url,
             "started": datetime.fromtimestamp(started, UTC).isoformat(timespec="seconds"),
             "minutes": round((time.time() - started) / 60, 1), "k": args.k,
             "files": args.files, "js_projects": list(JS_PROJECTS),
