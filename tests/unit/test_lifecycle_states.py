@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -153,3 +155,23 @@ def test_records_read_their_lifecycle_columns_back_as_enums() -> None:
     templates.insert_build(BuildRecord(id="b", template_id="t", status="waiting",
                                        created_at=1.0))
     assert templates.get_build("b").status is BuildStatus.WAITING
+
+
+def _doc_table() -> dict[str, set[str]]:
+    """docs/architecture.md's lifecycle table: backticked state of each row's first column
+    → the backticked states of its second."""
+    doc = (Path(__file__).parents[2] / "docs" / "architecture.md").read_text()
+    section = doc.split("\n## Lifecycle\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|")]
+    assert [c.strip() for c in rows[0].strip("|").split("|")] == ["from", "to"]
+    table: dict[str, set[str]] = {}
+    for line in rows[2:]:  # past the header and its |---| line
+        frm, to = (c.strip() for c in line.strip("|").split("|"))
+        (name,) = re.fullmatch(r"`(\w+)`", frm).groups()
+        assert name not in table, f"{name} has two rows"
+        table[name] = set(re.findall(r"`(\w+)`", to))
+    return table
+
+
+def test_the_docs_draw_the_same_table_as_the_code() -> None:
+    assert _doc_table() == {str(s): {str(t) for t in tos} for s, tos in TRANSITIONS.items()}
