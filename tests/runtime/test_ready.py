@@ -12,12 +12,16 @@ from aenv.runtime.base import BootError
 from aenv.runtime.ready import BootPhases, ConsoleWatcher, wait_for_envd
 
 
-async def health_server(statuses: list[int]) -> tuple[asyncio.Server, str]:
-    """Answers /health with the given statuses in turn, then 204 forever."""
+async def health_server(statuses: list[int], answered: list[tuple[int, float]] | None = None
+                        ) -> tuple[asyncio.Server, str]:
+    """Answers /health with the given statuses in turn, then 204 forever; appends
+    ``(status, monotonic time just before the answer was sent)`` to ``answered``."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while await reader.readuntil(b"\r\n\r\n"):
             code = statuses.pop(0) if statuses else 204
+            if answered is not None:
+                answered.append((code, time.monotonic()))
             writer.write(f"HTTP/1.1 {code} X\r\ncontent-length: 0\r\n\r\n".encode())
             await writer.drain()
 
@@ -33,10 +37,17 @@ async def health_server(statuses: list[int]) -> tuple[asyncio.Server, str]:
 
 
 async def test_wait_for_envd_returns_once_health_answers_204() -> None:
-    server, url = await health_server([503, 502])
+    """It polls past the errors, stops at the first 204, and returns when that 204 came:
+    after the server sent it and before the call returned."""
+    answered: list[tuple[int, float]] = []
+    server, url = await health_server([503, 502], answered)
     async with server:
         t = await wait_for_envd(url, timeout=5)
-    assert t <= time.monotonic()
+        returned = time.monotonic()
+        await asyncio.sleep(0.1)  # it polls no more once it has its 204
+    assert [code for code, _ in answered] == [503, 502, 204]
+    sent_204 = answered[-1][1]
+    assert sent_204 <= t <= returned
 
 
 async def test_wait_for_envd_times_out_with_a_boot_error() -> None:
