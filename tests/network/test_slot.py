@@ -8,7 +8,7 @@ import pytest
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
-from aenv.network import GUEST_IP, EgressPolicy, NetnsError, NetworkSlot, SlotBusyError
+from aenv.network import GUEST_IP, EgressPolicy, NetnsError, NetworkSlot, SlotBusyError, nft
 from aenv.network import netns as ns
 from aenv.network.conntrack import flush_source
 from aenv.network.guest_link import TAP_MAC
@@ -77,17 +77,25 @@ def test_host_firewall_drops_slot_to_slot_even_past_the_namespace_rules(make_slo
         lis_b.close()
 
 
-def test_guest_cannot_reach_host_services(make_slot, make_guest, internet):
+def test_guest_cannot_reach_host_services(make_slot, make_guest, internet, addressing):
     slot = make_slot(1)
     guest = make_guest(slot)
-    # A listener on every host address (the slot's own veth IP and the host's "uplink").
+    # A listener on every host address (the slot's own veth IP and the host's "uplink"),
+    # and one in the slot's namespace on its end of the tap (the guest's gateway).
     lis = Listener(None, "0.0.0.0", 0, "host")
+    gateway = Listener(slot.netns, TAP_IP_OF_NETNS, 0, "slot")
     try:
         assert connect(None, INET_HOST_IP, lis.port).startswith("host ")  # it does listen
         assert blocked(guest.netns, slot.addresses.veth_host_ip, lis.port)
         assert blocked(guest.netns, INET_HOST_IP, lis.port)  # not a private range
-        assert blocked(guest.netns, TAP_IP_OF_NETNS, lis.port)
+        assert blocked(guest.netns, TAP_IP_OF_NETNS, gateway.port)
+        # Control: with the slot's input rule lifted for that port, the same connection
+        # gets its answer, so what refused it above was the firewall, not an empty port.
+        nft.apply(f"add rule inet {addressing.table} input tcp dport {gateway.port} accept\n",
+                  netns=slot.netns)
+        assert connect(guest.netns, TAP_IP_OF_NETNS, gateway.port) == f"slot {GUEST_IP}"
     finally:
+        gateway.close()
         lis.close()
 
 
