@@ -39,6 +39,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from .envd import ENVD_PORT
 from .storage.durable import write_atomic
 
 log = logging.getLogger(__name__)
@@ -151,9 +152,9 @@ def _brought(cert: Path, key: Path, domain: str, now: dt.datetime) -> ListenerTl
     if end <= now:
         raise TlsError(f"the TLS certificate {cert} expired on {end.date()}")
     names = tuple(_dns_names(leaf))
-    uncovered = [shown for shown, probe in ((f"api.{domain}", f"api.{domain}"),
-                                            (f"<port>-<sandbox>.{domain}", f"49983-x.{domain}"))
-                 if not covers(names, probe)]
+    probes = ((f"api.{domain}", f"api.{domain}"),
+              (f"<port>-<sandbox>.{domain}", f"{ENVD_PORT}-x.{domain}"))
+    uncovered = [shown for shown, probe in probes if not covers(names, probe)]
     if uncovered:
         log.warning("the TLS certificate %s names %s, which does not cover %s: clients that "
                     "reach the server by those names will refuse it", cert,

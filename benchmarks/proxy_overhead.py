@@ -44,9 +44,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from aenv.envd import ENVD_PORT
 from benchmarks._common import emit, free_port, spawn_child, stop, summary
 
-ENVD_PORT = 49983
 FIRST_HOST = 200  # 127.0.0.200 and up: the test suite's process sandboxes start at .2
 
 

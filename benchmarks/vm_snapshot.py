@@ -40,7 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from aenv.client.envd import EnvdClient
+from aenv.client.envd import ENVD_PORT, EnvdClient
 from aenv.config import Settings
 from aenv.guest.bootargs import guest_boot_args
 from aenv.network import NetworkSlot, SlotPool, cleanup_leftovers
@@ -137,8 +137,9 @@ class Bench:
             drives=(Drive("rootfs", disk.path, format=disk.format),), tap=slot.tap_name,
             netns=slot.netns, mac=slot.guest_mac,
             memory_file=wd.default_memory_file(name, workdir, self.settings.name_prefix))
-        vm, phases = await boot_until_ready(self.runtime, spec, f"http://{slot.host_ip}:49983")
-        envd = EnvdClient(f"http://{slot.host_ip}:49983")
+        url = f"http://{slot.host_ip}:{ENVD_PORT}"
+        vm, phases = await boot_until_ready(self.runtime, spec, url)
+        envd = EnvdClient(url)
         sbx = Sandbox(vm, slot, envd)
         self.live.append(sbx)
         await envd.init(access_token=self.token, env_vars={})
@@ -157,7 +158,7 @@ class Bench:
             vm_id=(name := self.name(what)), workdir=self.settings.vms_dir / name,
             netns=slot.netns))
         t_run = time.monotonic()
-        envd = EnvdClient(f"http://{slot.host_ip}:49983", self.token)
+        envd = EnvdClient(f"http://{slot.host_ip}:{ENVD_PORT}", self.token)
         sbx = Sandbox(vm, slot, envd)
         self.live.append(sbx)
         await envd.wait_healthy(30, HEALTH_POLL_S, alive=vm.is_alive)

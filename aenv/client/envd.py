@@ -49,9 +49,9 @@ from typing import Any
 
 import httpx
 
+from ..envd import ENVD_PORT
 from .http import plain_client
 
-ENVD_PORT = 49983
 # Seconds of silence after which envd sends a keepalive on Start/Connect, and after which
 # ``stream_input`` sends one (the SDK's value): long-idle shells stay open through proxies.
 KEEPALIVE_S = 50

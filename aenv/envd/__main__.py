@@ -16,12 +16,12 @@ from types import FrameType
 
 import uvicorn
 
+from . import ENVD_PORT
 from .app import create_app
 from .guest import GuestHooks
 from .state import EnvdState
 from .users import ensure_user
 
-DEFAULT_PORT = 49983
 # uvicorn's serve loop wakes every 0.1 s to look for a shutdown request and refresh the Date
 # header. In an idle guest under emulation those wake-ups were half of what its VMM spends
 # (2.5 % of a host core per idle sandbox, 1.2 % without them), so envd refreshes once a
@@ -49,7 +49,7 @@ class _Server(uvicorn.Server):
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m aenv.envd", description=__doc__)
     parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument("--port", type=int, default=ENVD_PORT)
     parser.add_argument("--default-user", default="root", help="user when a request names none")
     parser.add_argument("--default-workdir", default=None)
     parser.add_argument("--guest", action="store_true", help="own the machine: clock, entropy")

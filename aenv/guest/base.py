@@ -30,7 +30,6 @@ import aenv
 
 USER = "user"
 USER_UID = 1000
-ENVD_PORT = 49983
 GUEST_PYTHON = "3.11"  # Debian bookworm's python3: envd's wheels are chosen for this ABI
 OPT = "/opt/aenv"
 PYTHON_DIR = f"{OPT}/python"

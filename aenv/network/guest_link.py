@@ -5,7 +5,8 @@ sandbox's own network namespace. Both MAC addresses are fixed too: the guest's n
 cache holds the gateway's MAC across a snapshot, and the namespace holds a permanent
 neighbour entry for the guest's, so a VM restored into any slot talks at once with no ARP.
 Runtime drivers must give the guest NIC ``GUEST_MAC``; nothing here may change once
-snapshots exist.
+snapshots exist. envd listens on ``GUEST_IP`` at ``aenv.envd.ENVD_PORT`` (defined with envd,
+which must run without the host side).
 """
 
 from __future__ import annotations

@@ -49,11 +49,11 @@ import websockets
 from starlette.types import Receive, Scope, Send
 
 from ..client.http import plain_client
+from ..envd import ENVD_PORT
 from ..network.access import connect_socket
 
 log = logging.getLogger("aenv.proxy")
 
-ENVD_PORT = 49983
 _HOST = re.compile(r"^(\d{1,5})-([a-z0-9]{1,64})\.[^:]+(?::\d+)?$")
 _HOP_BY_HOP = {
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",

@@ -18,14 +18,16 @@ from pathlib import Path
 
 import httpx
 
+from aenv.envd import ENVD_PORT
 from aenv.guest.bootargs import guest_boot_args
 from aenv.guest.markers import first_times
+from aenv.network.guest_link import GUEST_IP
 from aenv.runtime.qemu_args import with_tcg_args
 from aenv.storage.images import Image
 from aenv.storage.kernel import Kernel
 from tests.conftest import free_port
 
-GUEST_ENVD = "169.254.0.21:49983"
+GUEST_ENVD = f"{GUEST_IP}:{ENVD_PORT}"
 
 
 @dataclass

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from aenv.config import Settings
+from aenv.envd import ENVD_PORT
 from aenv.network import NetworkSlot, SlotPool
 from aenv.runtime import workdir as wd
 from aenv.runtime.base import Drive, VMSpec
@@ -33,7 +34,6 @@ from tests.fake_control_plane import FakeControlPlane
 
 PREFIX = "aenvrt"
 VM_PREFIX = "rt-"  # working directories of this suite's VMs: <vms_dir>/rt-<name>
-ENVD_PORT = 49983
 
 
 def vm_host_ready() -> str | None:
