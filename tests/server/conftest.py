@@ -9,12 +9,13 @@ or VMM process of its prefix is left.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -120,13 +121,16 @@ def leftovers(settings: Settings) -> dict[str, list[str]]:
             "vmm processes": procs}
 
 
-@pytest.fixture(scope="session")
-def live_server(tmp_path_factory) -> Iterator[ServerProcess]:
+@contextlib.contextmanager
+def serving(srv: ServerProcess, *, cleanup: Callable[[Settings], None] | None = None
+            ) -> Iterator[ServerProcess]:
+    """Start ``srv``; at the end kill its sandboxes through the API, stop it, and fail if
+    any namespace, nft table or VMM process of its prefix is left (after removing them:
+    ``cleanup``, by default aenv's own leftover sweep)."""
     if os.geteuid() != 0:
         pytest.skip("needs root")
-    srv = ServerProcess(tmp_path_factory.mktemp("aenv-server"))
-    srv.start()
     try:
+        srv.start()
         yield srv
     finally:
         if srv.proc is not None and srv.proc.poll() is None:
@@ -137,17 +141,43 @@ def live_server(tmp_path_factory) -> Iterator[ServerProcess]:
         srv.stop()
         left = leftovers(srv.settings)
         if any(left.values()):
-            from aenv.network import cleanup_leftovers
+            if cleanup is None:
+                from aenv.network import cleanup_leftovers
 
-            cleanup_leftovers(srv.settings)
+                cleanup_leftovers(srv.settings)
+            else:
+                cleanup(srv.settings)
             pytest.fail(f"the server left {left}\n{srv.log_tail()}")
 
 
+@contextlib.contextmanager
+def sdk_pointed_at(srv: ServerProcess) -> Iterator[ServerProcess]:
+    """The E2B SDK configured only through its environment variables, for a block."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("E2B_API_KEY", srv.api_key)
+        mp.setenv("E2B_API_URL", srv.url)
+        mp.setenv("E2B_SANDBOX_URL", srv.url)
+        mp.delenv("E2B_DOMAIN", raising=False)
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def live_server(tmp_path_factory) -> Iterator[ServerProcess]:
+    """The session's server: tests share it (and its base snapshot) unless they need a
+    server of their own (other options, a kill -9, a second one on the same home)."""
+    with serving(ServerProcess(tmp_path_factory.mktemp("aenv-server"))) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def module_sdk(live_server: ServerProcess) -> Iterator[ServerProcess]:
+    """``sdk`` for module-scoped fixtures (a template built once per module)."""
+    with sdk_pointed_at(live_server) as srv:
+        yield srv
+
+
 @pytest.fixture
-def sdk(live_server: ServerProcess, monkeypatch: pytest.MonkeyPatch) -> ServerProcess:
+def sdk(live_server: ServerProcess) -> Iterator[ServerProcess]:
     """The E2B SDK configured only through its environment variables."""
-    monkeypatch.setenv("E2B_API_KEY", live_server.api_key)
-    monkeypatch.setenv("E2B_API_URL", live_server.url)
-    monkeypatch.setenv("E2B_SANDBOX_URL", live_server.url)
-    monkeypatch.delenv("E2B_DOMAIN", raising=False)
-    return live_server
+    with sdk_pointed_at(live_server) as srv:
+        yield srv

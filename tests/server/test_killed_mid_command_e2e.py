@@ -19,7 +19,6 @@ import os
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,7 +27,7 @@ from e2b import AsyncSandbox, Sandbox, TimeoutException
 from aenv.config import Settings
 from tests.conftest import run_json_script
 from tests.jsflow import JS_DIR
-from tests.server.conftest import ServerProcess, leftovers
+from tests.server.conftest import ServerProcess
 
 pytestmark = [pytest.mark.vm, pytest.mark.net]
 
@@ -38,33 +37,9 @@ PROMPT_S = 20.0
 
 
 @pytest.fixture(scope="module")
-def sdk(tmp_path_factory) -> Iterator[ServerProcess]:
-    """A server of this module's own (its log is read), and the E2B SDK pointed at it."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root")
-    srv = ServerProcess(tmp_path_factory.mktemp("killed-server") / "home", prefix="aenvkd",
-                        net=41)
-    srv.start()
-    mp = pytest.MonkeyPatch()
-    mp.setenv("E2B_API_KEY", srv.api_key)
-    mp.setenv("E2B_API_URL", srv.url)
-    mp.setenv("E2B_SANDBOX_URL", srv.url)
-    mp.delenv("E2B_DOMAIN", raising=False)
-    try:
-        yield srv
-    finally:
-        mp.undo()
-        try:
-            srv.kill_all_sandboxes()
-        except Exception:
-            pass
-        srv.stop()
-        left = leftovers(srv.settings)
-        if any(left.values()):
-            from aenv.network import cleanup_leftovers
-
-            cleanup_leftovers(srv.settings)
-            pytest.fail(f"the server left {left}\n{srv.log_tail()}")
+def sdk(module_sdk: ServerProcess) -> ServerProcess:
+    """The session's server (its log is read), and the E2B SDK pointed at it."""
+    return module_sdk
 
 
 class ServerLog:

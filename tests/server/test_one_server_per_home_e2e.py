@@ -18,7 +18,7 @@ from e2b import Sandbox
 from aenv.network import cleanup_leftovers
 from tests.conftest import ROOT, free_port
 
-from .conftest import ServerProcess, leftovers
+from .conftest import ServerProcess, leftovers, sdk_pointed_at, serving
 
 pytestmark = [pytest.mark.vm, pytest.mark.net]
 
@@ -52,36 +52,16 @@ def _kill_strays(settings) -> None:
 
 @pytest.fixture(scope="module")
 def first(tmp_path_factory) -> Iterator[First]:
-    if os.geteuid() != 0:
-        pytest.skip("needs root")
     srv = ServerProcess(tmp_path_factory.mktemp("first") / "home", prefix="aenvsl", net=19)
-    srv.start()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("E2B_API_KEY", srv.api_key)
-        mp.setenv("E2B_API_URL", srv.url)
-        mp.setenv("E2B_SANDBOX_URL", srv.url)
-        mp.delenv("E2B_DOMAIN", raising=False)
-        try:
-            sbx = Sandbox.create("base")
-            sbx.files.write("/home/user/mine.txt", "first server's")
-            first = First(srv, sbx)
-            # The pool refills its warm slot in the background: wait until it has.
-            deadline = time.monotonic() + 60
-            while len(leftovers(srv.settings)["netns"]) < 1 + srv.settings.warm_slots:
-                assert time.monotonic() < deadline, leftovers(srv.settings)
-                time.sleep(0.2)
-            yield first
-        finally:
-            if srv.proc is not None and srv.proc.poll() is None:
-                try:
-                    srv.kill_all_sandboxes()
-                except Exception:
-                    pass
-            srv.stop()
-            left = leftovers(srv.settings)
-            if any(left.values()):
-                _kill_strays(srv.settings)
-                pytest.fail(f"the first server left {left}\n{srv.log_tail()}")
+    with serving(srv, cleanup=_kill_strays), sdk_pointed_at(srv):
+        sbx = Sandbox.create("base")
+        sbx.files.write("/home/user/mine.txt", "first server's")
+        # The pool refills its warm slot in the background: wait until it has.
+        deadline = time.monotonic() + 60
+        while len(leftovers(srv.settings)["netns"]) < 1 + srv.settings.warm_slots:
+            assert time.monotonic() < deadline, leftovers(srv.settings)
+            time.sleep(0.2)
+        yield First(srv, sbx)
 
 
 def _second(env: dict[str, str], port: int) -> tuple[subprocess.CompletedProcess, float]:

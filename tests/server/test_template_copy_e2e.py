@@ -18,47 +18,22 @@ from __future__ import annotations
 import linecache
 import os
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from e2b import Sandbox, Template
 from e2b.exceptions import BuildException
 
-from tests.server.conftest import ServerProcess, leftovers
+from tests.server.conftest import ServerProcess
 
 # The first test waits for the server (its base snapshot) and the shared COPY build.
 pytestmark = [pytest.mark.vm, pytest.mark.net, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
-def sdk(tmp_path_factory) -> Iterator[ServerProcess]:
-    """A server for this module, and the E2B SDK pointed at it by its environment."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root")
-    srv = ServerProcess(tmp_path_factory.mktemp("copy-server") / "home", prefix="aenvcp",
-                        net=31)
-    srv.start()
-    mp = pytest.MonkeyPatch()
-    mp.setenv("E2B_API_KEY", srv.api_key)
-    mp.setenv("E2B_API_URL", srv.url)
-    mp.setenv("E2B_SANDBOX_URL", srv.url)
-    mp.delenv("E2B_DOMAIN", raising=False)
-    try:
-        yield srv
-    finally:
-        mp.undo()
-        try:
-            srv.kill_all_sandboxes()
-        except Exception:
-            pass
-        srv.stop()
-        left = leftovers(srv.settings)
-        if any(left.values()):
-            from aenv.network import cleanup_leftovers
-
-            cleanup_leftovers(srv.settings)
-            pytest.fail(f"the server left {left}\n{srv.log_tail()}")
+def sdk(module_sdk: ServerProcess) -> ServerProcess:
+    """The session's server, and the E2B SDK pointed at it (for the module's build)."""
+    return module_sdk
 
 
 def unique(prefix: str) -> str:

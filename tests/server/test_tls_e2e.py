@@ -32,7 +32,7 @@ import pytest
 
 from tests.conftest import ROOT, stop_process
 
-from .conftest import ServerProcess, leftovers
+from .conftest import ServerProcess, serving
 from .get_host_client import PAGE
 
 pytestmark = [pytest.mark.vm, pytest.mark.net]
@@ -153,27 +153,10 @@ def dns(tmp_path: Path) -> Iterator[Dns]:
 
 @pytest.fixture(scope="module")
 def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsServerProcess]:
-    if os.geteuid() != 0:
-        pytest.skip("needs root")
-    if not _bindable(SERVER_ADDR, 443):
+    if os.geteuid() == 0 and not _bindable(SERVER_ADDR, 443):
         pytest.skip(f"{SERVER_ADDR}:443 is taken (a web server on 0.0.0.0:443?)")
-    srv = TlsServerProcess(tmp_path_factory.mktemp("aenv-tls") / "home")
-    try:
-        srv.start()
+    with serving(TlsServerProcess(tmp_path_factory.mktemp("aenv-tls") / "home")) as srv:
         yield srv
-    finally:
-        if srv.proc is not None and srv.proc.poll() is None:
-            try:
-                srv.kill_all_sandboxes()
-            except Exception:
-                pass
-        srv.stop()
-        left = leftovers(srv.settings)
-        if any(left.values()):
-            from aenv.network import cleanup_leftovers
-
-            cleanup_leftovers(srv.settings)
-            pytest.fail(f"the server left {left}\n{srv.log_tail()}")
 
 
 def _run_client(srv: TlsServerProcess, dns: Dns, argv: list[str], cwd: Path = ROOT,
