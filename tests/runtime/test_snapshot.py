@@ -114,6 +114,22 @@ async def test_restore_reaches_a_running_vmm_quickly_and_maps_memory_copy_on_wri
     assert any(line.endswith(base) and " rw-p " in line for line in maps.splitlines())
 
 
+def guest_ram(vm) -> dict[str, int]:
+    """The VMM's guest RAM, in bytes by ``/proc/<pid>/smaps`` field (Rss, Pss, Shared_Clean,
+    Anonymous, ...), summed over the VMAs that map the restored VM's ``base-memory``."""
+    base = str((vm.workdir / "base-memory").resolve())
+    totals: dict[str, int] = {}
+    inside = False
+    for line in Path(f"/proc/{vm.pid}/smaps").read_text().splitlines():
+        field, _, rest = line.partition(":")
+        if " " in field:  # a VMA's first line: "start-end perms offset dev inode path"
+            inside = line.split(maxsplit=5)[5:] == [base]
+        elif inside and rest.endswith(" kB"):
+            totals[field] = totals.get(field, 0) + int(rest.split()[0]) * 1024
+    assert totals, f"pid {vm.pid} does not map {base}"
+    return totals
+
+
 async def fork(snapshot: Path, names: list[str], token: str, settings, pool) -> list[Guest]:
     results = await asyncio.gather(
         *(restore_guest(VM_PREFIX + n, snapshot, settings, pool, token) for n in names),
@@ -146,8 +162,15 @@ async def test_a_persistent_snapshot_keeps_the_source_running_and_its_forks_inde
         for g in (a, b):
             assert g.sandbox().files.read(BEFORE) == "written before the pause\n"
             counter_advances(g, counter(g))
-        # each child holds only what it wrote as private memory, the rest is shared
+        # Each child holds as private copies (Anonymous) only the snapshot's diff it was
+        # given and what it wrote since; the guest RAM it reads is the base memory file's
+        # pages, mapped by its sibling and the source too (Shared_Clean). Measured under
+        # TCG: diff 4 MB, Anonymous 10 MB, Shared_Clean 65 of 76 MB resident.
         assert a.vm.pid != b.vm.pid != resumed.vm.pid
+        for g in (a, b):
+            ram = guest_ram(g.vm)
+            assert ram["Anonymous"] <= info.memory_bytes + GUEST_RAM // 16, ram
+            assert ram["Shared_Clean"] >= ram["Rss"] // 2, ram
     finally:
         for g in children:
             await destroy_guest(g, slot_pool)
