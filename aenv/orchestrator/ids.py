@@ -9,6 +9,8 @@ from __future__ import annotations
 import secrets
 import string
 
+from ..storage.image_ref import ImageRef
+
 _ALPHABET = string.ascii_lowercase + string.digits
 
 
@@ -26,9 +28,9 @@ def is_valid_id(value: str) -> bool:
 
 def new_layer_ref() -> str:
     """``layer:<id>``: the name of a committed disk layer in the node's layer store."""
-    return "layer:" + new_id()
+    return str(ImageRef.layer(new_id()))
 
 
 def new_snapshot_ref() -> str:
     """``snapshot:<id>``: the name of a snapshot in the node's snapshot store."""
-    return "snapshot:" + new_id()
+    return str(ImageRef.snapshot(new_id()))

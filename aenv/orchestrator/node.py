@@ -36,6 +36,7 @@ from ..runtime import workdir as wd
 from ..runtime.ready import boot_until_ready
 from ..storage import disk_layers, snapshot_store
 from ..storage.disks import Disk, create_disk
+from ..storage.image_ref import ImageRef
 from ..storage.images import Image, ensure_base_image
 from ..storage.kernel import Kernel, ensure_kernel
 from ..store import SandboxRecord, TemplateRecord
@@ -166,12 +167,11 @@ class NodeMachines:
 
     # -- one sandbox ----------------------------------------------------------------------
 
-    def _image_for(self, template: TemplateRecord) -> Path:
-        """The disk image a cold boot of ``template`` starts from."""
-        image = template.image or ""
-        if image.startswith("layer:"):
+    def _image_for(self, image: ImageRef) -> Path:
+        """The disk image a cold boot from ``image`` starts from."""
+        if image.is_layer:
             return disk_layers.resolve(image, self.settings.layers_dir).path
-        if image.startswith(snapshot_store.SNAPSHOT):
+        if image.is_snapshot:
             disk = snapshot_store.disk_snapshot(self._snapshot_dir(image))
             if disk is None:
                 raise InvalidRequest(f"{image} is a VM snapshot, not a disk")
@@ -179,7 +179,7 @@ class NodeMachines:
         assert self.base is not None, "prepare() first"
         return self.base.path
 
-    def _snapshot_dir(self, ref: str) -> Path:
+    def _snapshot_dir(self, ref: str | ImageRef) -> Path:
         return snapshot_store.directory(self.settings.snapshots_dir, ref)
 
     def has_snapshot(self, ref: str) -> bool:
@@ -189,16 +189,16 @@ class NodeMachines:
             return False
 
     async def start(self, rec: SandboxRecord, template: TemplateRecord) -> Placement:
-        image = template.image or ""
+        image = ImageRef.parse(template.image)
         # The pool's filler keeps its CPU off the host while guests come up.
         with self.pool.starting():
-            if image.startswith(snapshot_store.SNAPSHOT):
+            if image.is_snapshot:
                 directory = self._snapshot_dir(image)
                 if not snapshot_store.is_complete(directory):
                     raise InvalidRequest(f"snapshot {image} does not exist on this node")
                 if snapshot_store.disk_snapshot(directory) is None:
                     return await self._restore(rec, template, directory)
-            return await self._boot(rec, template)
+            return await self._boot(rec, template, image)
 
     async def _restore(self, rec: SandboxRecord, template: TemplateRecord,
                        directory: Path) -> Placement:
@@ -231,8 +231,9 @@ class NodeMachines:
                          host_ip=slot.host_ip, runtime=self.runtime.name, phases=timing,
                          restored_from=template.image)
 
-    async def _boot(self, rec: SandboxRecord, template: TemplateRecord) -> Placement:
-        """Cold boot of ``template``'s disk image."""
+    async def _boot(self, rec: SandboxRecord, template: TemplateRecord,
+                    image: ImageRef) -> Placement:
+        """Cold boot of ``image``'s disk (``template``'s image, parsed)."""
         assert self.kernel is not None, "prepare() first"
         t0 = time.monotonic()
         policy = egress_policy(rec)
@@ -242,7 +243,7 @@ class NodeMachines:
         vm: VM | None = None
         disk: Disk | None = None
         try:
-            disk = await asyncio.to_thread(create_disk, self._image_for(template), workdir)
+            disk = await asyncio.to_thread(create_disk, self._image_for(image), workdir)
             t_disk = time.monotonic()
             spec = VMSpec(
                 vm_id=rec.id, workdir=workdir, kernel=self.kernel.vmlinux,
@@ -270,8 +271,7 @@ class NodeMachines:
                  " ".join(f"{k}={v * 1000:.0f}ms" for k, v in timing.items()),
                  extra={"sandbox_id": rec.id, "op": "create", "duration": time.monotonic() - t0})
         # A disk made over a snapshot's or layer's file needs that file for its whole life.
-        backing = template.image if template.image and template.image.startswith(
-            (snapshot_store.SNAPSHOT, "layer:")) else None
+        backing = None if image.is_base else template.image
         return Placement(vm_dir=str(workdir), vm_pid=vm.pid, slot=slot.index,
                          host_ip=slot.host_ip, runtime=self.runtime.name, phases=timing,
                          restored_from=backing)

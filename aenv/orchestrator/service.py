@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..storage.image_ref import ImageRef
 from ..store import (
     VM_STATES,
     BuildStatus,
@@ -173,7 +174,8 @@ class Orchestrator:
 
     def _cold(self, tpl: TemplateRecord) -> bool:
         """Whether a start from ``tpl`` boots (a RAM file of its own) or restores."""
-        return not (tpl.image and self.machines.has_snapshot(tpl.image))
+        image = ImageRef.parse(tpl.image)
+        return not (image.is_snapshot and self.machines.has_snapshot(str(image)))
 
     def _check_capacity(self, n: int, *, starts: bool = True) -> None:
         live = self.sandboxes.count(VM_STATES)

@@ -17,6 +17,7 @@ from typing import Literal
 from . import durable
 from .disks import Disk
 from .errors import StorageError
+from .image_ref import BadImageRef, ImageRef
 
 LayerFormat = Literal["raw", "qcow2"]
 
@@ -33,7 +34,7 @@ class Layer:
 
     def ref(self) -> str:
         """How the store refers to this layer."""
-        return f"layer:{self.id}"
+        return str(ImageRef.layer(self.id))
 
 
 def commit(disk: Disk, directory: Path, layer_id: str) -> Layer:
@@ -51,24 +52,32 @@ def commit(disk: Disk, directory: Path, layer_id: str) -> Layer:
     return Layer(layer_id, dest, disk.format)
 
 
-def layer_id(ref: str) -> str:
+def layer_id(ref: str | ImageRef) -> str:
     """The id a ``layer:<id>`` reference names (checked: it becomes a file name)."""
-    name = ref.removeprefix("layer:") if ref.startswith("layer:") else ""
-    if not name or "/" in name or name.startswith("."):
-        raise LayerError(f"bad layer reference: {ref!r}")
-    return name
+    parsed = _parse(ref)
+    if not parsed.is_layer:
+        raise LayerError(f"bad layer reference: {str(ref)!r}")
+    return parsed.id
 
 
-def resolve(ref: str, directory: Path) -> Layer:
+def resolve(ref: str | ImageRef, directory: Path) -> Layer:
     """The layer a template's ``image`` reference names."""
-    if not ref.startswith("layer:"):
-        raise LayerError(f"not a layer reference: {ref!r}")
-    layer_id = ref.removeprefix("layer:")
+    parsed = _parse(ref)
+    if not parsed.is_layer:
+        raise LayerError(f"not a layer reference: {str(ref)!r}")
+    layer_id = parsed.id
     for fmt in ("qcow2", "raw"):
         path = directory / f"{layer_id}.{fmt}"
         if path.exists():
             return Layer(layer_id, path, fmt)  # type: ignore[arg-type]
     raise LayerError(f"layer {layer_id} is missing from {directory}")
+
+
+def _parse(ref: str | ImageRef) -> ImageRef:
+    try:
+        return ref if isinstance(ref, ImageRef) else ImageRef.parse(ref)
+    except BadImageRef as e:
+        raise LayerError(str(e)) from None
 
 
 def remove(ref: str, directory: Path) -> None:

@@ -1,16 +1,17 @@
 """The node's local snapshot store: where snapshots live, how the store names them, what
 depends on what, and garbage collection by reachability.
 
-A reference ``snapshot:<id>`` names ``snapshots_dir/<id>``: either a VM snapshot written by
-a runtime driver (``aenv.storage.snapshots`` layout, complete once its manifest exists) or
-a *disk-only* snapshot of a filesystem pause (``disk.json`` + the drive file; resuming it
-boots). ``layer:<id>`` names a committed template layer (``disk_layers``). Snapshots and
-layers reference their parents by absolute path (memory layers, qcow2 backing chains), so
-one is deleted only when no root reaches it; roots are what the store of record still uses
-(templates, paused sandboxes, what running sandboxes were restored from). Directories being
-written are ``.<id>.partial-*``; a crash leaves them behind and collection removes them —
-the caller serialises collection with snapshot writes. Collection fails closed: when what a
-kept snapshot or layer depends on cannot be read, nothing is deleted in that pass.
+A reference ``snapshot:<id>`` (``image_ref``) names ``snapshots_dir/<id>``: either a VM
+snapshot written by a runtime driver (``aenv.storage.snapshots`` layout, complete once its
+manifest exists) or a *disk-only* snapshot of a filesystem pause (``disk.json`` + the drive
+file; resuming it boots). ``layer:<id>`` names a committed template layer
+(``disk_layers``). Snapshots and layers reference their parents by absolute path (memory
+layers, qcow2 backing chains), so one is deleted only when no root reaches it; roots are
+what the store of record still uses (templates, paused sandboxes, what running sandboxes
+were restored from). Directories being written are ``.<id>.partial-*``; a crash leaves them
+behind and collection removes them — the caller serialises collection with snapshot writes.
+Collection fails closed: when what a kept snapshot or layer depends on cannot be read,
+nothing is deleted in that pass.
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ from pathlib import Path
 from . import disk_layers, durable, snapshots
 from .disks import Disk
 from .errors import StorageError
+from .image_ref import SNAPSHOT_PREFIX, BadImageRef, ImageRef
 
 log = logging.getLogger("aenv.snapshots")
 
-SNAPSHOT = "snapshot:"
+SNAPSHOT = SNAPSHOT_PREFIX  # the prefix of snapshot references, for older importers
 DISK_MANIFEST = "disk.json"
 
 
@@ -54,16 +56,19 @@ class DiskSnapshot:
 
 
 def ref(snapshot_id: str) -> str:
-    return SNAPSHOT + snapshot_id
+    return str(ImageRef.snapshot(snapshot_id))
 
 
-def directory(root: Path, reference: str) -> Path:
-    if not reference.startswith(SNAPSHOT):
-        raise SnapshotMissing(f"not a snapshot reference: {reference!r}")
-    name = reference.removeprefix(SNAPSHOT)
-    if not name or "/" in name or name.startswith("."):
-        raise SnapshotMissing(f"bad snapshot reference: {reference!r}")
-    return root / name
+def directory(root: Path, reference: str | ImageRef) -> Path:
+    """The directory of the snapshot ``reference`` names; ``SnapshotMissing`` when it names
+    no snapshot."""
+    try:
+        parsed = reference if isinstance(reference, ImageRef) else ImageRef.parse(reference)
+    except BadImageRef as e:
+        raise SnapshotMissing(str(e)) from None
+    if not parsed.is_snapshot:
+        raise SnapshotMissing(f"not a snapshot reference: {str(reference)!r}")
+    return root / parsed.id
 
 
 def is_complete(path: Path) -> bool:
@@ -161,11 +166,12 @@ def collect(snapshots_root: Path, layers_root: Path, roots: Iterable[str]) -> li
     todo: list[Path] = []
     for r in roots:
         try:
-            if r.startswith(SNAPSHOT):
-                todo.append(directory(snapshots_root, r))
-            elif r.startswith("layer:"):
-                todo.append(disk_layers.resolve(r, layers_root).path)
-        except (SnapshotMissing, StorageError):
+            root = ImageRef.parse(r)
+            if root.is_snapshot:
+                todo.append(directory(snapshots_root, root))
+            elif root.is_layer:
+                todo.append(disk_layers.resolve(root, layers_root).path)
+        except StorageError:  # BadImageRef, SnapshotMissing, LayerError: nothing to keep
             continue
     while todo:
         p = todo.pop()
