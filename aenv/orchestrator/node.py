@@ -144,9 +144,7 @@ class NodeMachines:
         if self._console_task is not None:
             self._console_task.cancel()
         for r in self._running.values():
-            detach = getattr(r.vm, "detach", None)
-            if detach is not None:
-                await detach()
+            await r.vm.detach()
         await asyncio.to_thread(self.pool.close, True)
 
     async def _bound_consoles(self) -> None:

@@ -11,8 +11,8 @@ Contract for every driver:
   not wait for the guest (see ``aenv.runtime.ready.wait_for_envd``).
 - The VMM runs with its working directory = ``VMSpec.workdir`` and sees only fixed relative
   names there (see ``aenv.runtime.workdir``), so no VM state embeds a sandbox-specific path.
-- The VMM runs in its own process group and survives the server; ``Runtime.attach`` finds it
-  again from the working directory alone.
+- The VMM runs in its own process group and survives the server (``VM.detach`` lets go of
+  it at a shutdown); ``Runtime.attach`` finds it again from the working directory alone.
 - The VMM runs confined (``aenv.runtime.confine``): its own unprivileged uid, seccomp, a
   chroot into its working directory, a cgroup with limits from the VM's size
   (``VMLimits``); ``VM.stop`` releases them, and so does ``workdir.remove`` for a VMM that
@@ -304,6 +304,12 @@ class VM(abc.ABC):
     @abc.abstractmethod
     async def wait(self) -> int | None:
         """Wait for the VMM to exit; its exit status when it was our child, else None."""
+
+    async def detach(self) -> None:
+        """Let go of the VMM without ending it (server shutdown): close the control
+        connection, so that the next server's ``Runtime.attach`` can take the VMM over. The
+        handle is not used afterwards. By default there is nothing to close."""
+        return None
 
 
 class Runtime(abc.ABC):

@@ -829,7 +829,7 @@ class FirecrackerRuntime(Runtime):
             state = await vm.status()
         except (ControlError, VMExitedError) as e:
             await api.aclose()
-            process.close()
+            process.abandon()
             raise AttachError(f"API of {vm_id} does not answer: {e}", vm_id=vm_id) from e
         log.info("attached %s (pid %d, %s)", vm_id, pid, state,
                  extra={"vm_id": vm_id, "op": "attach"})

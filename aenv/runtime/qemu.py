@@ -28,13 +28,14 @@ import functools
 import json
 import logging
 import os
-import select
 import shutil
 import signal
 import socket
 import subprocess
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from qemu.qmp import QMPClient, QMPError
 
@@ -56,6 +57,7 @@ from .base import (
 )
 from .confine import Confinement, Jail
 from .kvm import AccelChoice, host_accel
+from .vmm_process import NotOurProcessError, VMMProcess
 
 log = logging.getLogger("aenv.runtime")
 
@@ -117,7 +119,8 @@ def _unix_connect(path: Path) -> socket.socket:
 
 
 class QemuVM(VM):
-    """Handle on one QEMU process. ``boot_timings`` holds host-clock seconds since spawn."""
+    """Handle on one QEMU process (``process``, a ``VMMProcess``) and its QMP connection.
+    ``boot_timings`` holds host-clock seconds since spawn."""
 
     def __init__(
         self,
@@ -125,12 +128,10 @@ class QemuVM(VM):
         vm_id: str,
         workdir: Path,
         accel: AccelChoice,
-        pid: int,
-        process: subprocess.Popen[bytes] | None,
+        process: VMMProcess,
         qmp: QMPClient,
         started_at: float,
         boot_timings: dict[str, float] | None = None,
-        pidfd: int | None = None,
         max_chain: int = qemu_snapshot.DEFAULT_MAX_CHAIN,
         jail: Jail | None = None,
     ) -> None:
@@ -141,25 +142,17 @@ class QemuVM(VM):
         self.console_log = workdir / wd.CONSOLE
         self.started_at = started_at  # time.monotonic() at spawn (at attach for attached VMs)
         self.boot_timings = boot_timings or {}
-        self._pid = pid
         self._process = process
         self._qmp = qmp
-        self._pidfd = os.pidfd_open(pid) if pidfd is None else pidfd
-        self._returncode: int | None = None
         self._max_chain = max_chain
         self.jail = jail or Jail(vm_id, workdir, released=True)
 
     @property
     def pid(self) -> int:
-        return self._pid
+        return self._process.pid
 
     def is_alive(self) -> bool:
-        if self._process is not None:
-            return self._process.poll() is None
-        if self._pidfd < 0:
-            return False  # closed only once the exit was seen
-        # Not our child (attached): its pidfd polls readable once it has exited.
-        return not select.select([self._pidfd], [], [], 0)[0]
+        return self._process.is_alive()
 
     def send_fd(self, fd: int) -> None:
         """Hand ``fd`` to QEMU over the QMP socket (SCM_RIGHTS), for the next ``add-fd`` or
@@ -172,31 +165,38 @@ class QemuVM(VM):
         with socket.socket(fileno=os.dup(sock.fileno())) as raw:
             socket.send_fds(raw, [b" "], [fd])
 
-    async def _execute(self, cmd: str, args: dict[str, object] | None = None) -> object:
+    async def execute(self, command: str,
+                      arguments: Mapping[str, object] | None = None) -> dict[str, Any]:
+        """Run one QMP command; its return object (``{}`` for a command that returns
+        nothing; a command returning something else, e.g. a list, gets it under
+        ``"return"``). Raises ``VMExitedError`` when the VMM is gone (before or during the
+        command) and ``ControlError`` when QEMU refuses or fails it."""
         if not self.is_alive():
             raise VMExitedError(f"VMM of {self.vm_id} has exited", vm_id=self.vm_id)
         try:
-            return await self._qmp.execute(cmd, args)
+            reply = await self._qmp.execute(command, dict(arguments) if arguments else None)
         except QMPError as e:
             if not self.is_alive():
-                raise VMExitedError(f"VMM of {self.vm_id} exited during {cmd}",
+                raise VMExitedError(f"VMM of {self.vm_id} exited during {command}",
                                     vm_id=self.vm_id) from e
-            raise ControlError(f"QMP {cmd} failed for {self.vm_id}: {e}", vm_id=self.vm_id) from e
+            raise ControlError(f"QMP {command} failed for {self.vm_id}: {e}",
+                               vm_id=self.vm_id) from e
+        return reply if isinstance(reply, dict) else {"return": reply}
 
     async def status(self) -> str:
         """QEMU's run state: ``running``, ``paused``, ``shutdown``..."""
-        reply = await self._execute("query-status")
-        return str(reply["status"])  # type: ignore[index]
+        reply = await self.execute("query-status")
+        return str(reply["status"])
 
     async def pause(self) -> None:
         t = time.monotonic()
-        await self._execute("stop")
+        await self.execute("stop")
         log.info("paused", extra={"vm_id": self.vm_id, "op": "pause",
                                   "duration": time.monotonic() - t})
 
     async def resume(self) -> None:
         t = time.monotonic()
-        await self._execute("cont")
+        await self.execute("cont")
         log.info("resumed", extra={"vm_id": self.vm_id, "op": "resume",
                                    "duration": time.monotonic() - t})
 
@@ -217,7 +217,8 @@ class QemuVM(VM):
 
     async def stop(self, timeout: float = 5.0) -> None:
         """QMP ``quit``; if the VMM is still there after ``timeout``, SIGTERM its process
-        group, then SIGKILL it. Leaves the working directory (see ``workdir.remove``)."""
+        group, then SIGKILL it (each wait bounded by ``timeout``). Leaves the working
+        directory (see ``workdir.remove``)."""
         t = time.monotonic()
         if self.is_alive():
             try:
@@ -226,49 +227,29 @@ class QemuVM(VM):
                 pass  # the VMM may close the socket before answering; the wait below decides
         for sig in (None, signal.SIGTERM, signal.SIGKILL):
             if sig is not None:
-                try:
-                    os.killpg(self._pid, sig)
-                except ProcessLookupError:
-                    pass
+                self._process.signal_group(sig)
             try:
                 await asyncio.wait_for(self.wait(), timeout)
                 break
             except TimeoutError:
                 continue
-        await self._disconnect()
+        await self.detach()
         if not self.is_alive():
-            if self._pidfd >= 0:
-                os.close(self._pidfd)
-                self._pidfd = -1
+            self._process.close()
             await asyncio.to_thread(self.jail.release)
         log.info("stopped", extra={"vm_id": self.vm_id, "op": "stop",
                                    "duration": time.monotonic() - t})
 
     async def wait(self) -> int | None:
-        if not self.is_alive():
-            if self._process is not None:
-                self._returncode = self._process.wait()
-            return self._returncode
-        loop = asyncio.get_running_loop()
-        readable = loop.create_future()
-        loop.add_reader(self._pidfd, lambda: readable.done() or readable.set_result(None))
-        try:
-            await readable
-        finally:
-            loop.remove_reader(self._pidfd)
-        if self._process is not None:
-            self._returncode = self._process.wait()
-        return self._returncode
+        return await self._process.wait()
 
-    async def _disconnect(self) -> None:
+    async def detach(self) -> None:
+        """Drop the QMP connection but leave the VMM running (server shutdown): QEMU serves
+        one QMP client at a time, so the next server's ``attach`` needs it free."""
         try:
             await self._qmp.disconnect()
         except (QMPError, EOFError, OSError):
             pass
-
-    async def detach(self) -> None:
-        """Drop the control connection but leave the VMM running (server shutdown)."""
-        await self._disconnect()
 
 
 class QemuRuntime(Runtime):
@@ -317,7 +298,7 @@ class QemuRuntime(Runtime):
             (spec.workdir / wd.MANIFEST).write_text(json.dumps(manifest, indent=1))
             vmm_log = spec.workdir / wd.VMM_LOG
             t0 = time.monotonic()
-            process = await asyncio.to_thread(self._spawn, jail.wrap(argv), spec.workdir,
+            process = await asyncio.to_thread(VMMProcess.spawn, jail.wrap(argv), spec.workdir,
                                               vmm_log)
         except BaseException:
             await asyncio.to_thread(jail.release)
@@ -329,14 +310,14 @@ class QemuRuntime(Runtime):
             if status != "running":
                 raise BootError(f"VMM came up {status}, not running", vm_id=spec.vm_id)
         except BaseException as e:
-            self._kill(process)
+            process.kill_now()
             await asyncio.to_thread(jail.release)
             if isinstance(e, BootError):
                 e.console_tail = e.console_tail or wd.tail(spec.workdir / wd.CONSOLE)
                 e.vmm_log_tail = e.vmm_log_tail or wd.tail(vmm_log)
             raise
-        vm = QemuVM(vm_id=spec.vm_id, workdir=spec.workdir, accel=accel, pid=process.pid,
-                    process=process, qmp=qmp, started_at=t0, boot_timings={"qmp_ready": t_qmp},
+        vm = QemuVM(vm_id=spec.vm_id, workdir=spec.workdir, accel=accel, process=process,
+                    qmp=qmp, started_at=t0, boot_timings={"qmp_ready": t_qmp},
                     max_chain=self._max_chain, jail=jail)
         log.info(
             "booted %s on %s in %.0f ms (pid %d)", spec.vm_id, accel.accel, t_qmp * 1000,
@@ -370,11 +351,11 @@ class QemuRuntime(Runtime):
     def cleanup_leftovers(self, vms_dir: Path, keep: set[str]) -> dict[str, list[str]]:
         return confine.cleanup_leftovers(self.confinement, vms_dir, keep)
 
-    async def _connect_qmp(self, spec: VMSpec, process: subprocess.Popen[bytes]) -> QMPClient:
+    async def _connect_qmp(self, spec: VMSpec, process: VMMProcess) -> QMPClient:
         sock_path = spec.workdir / wd.QMP_SOCKET
         deadline = time.monotonic() + QMP_TIMEOUT
         while True:
-            if process.poll() is not None:
+            if not process.is_alive():
                 raise BootError(f"VMM exited with status {process.returncode} before QMP was up",
                                 vm_id=spec.vm_id)
             try:
@@ -392,25 +373,6 @@ class QemuRuntime(Runtime):
             sock.close()
             raise BootError(f"QMP handshake failed: {e}", vm_id=spec.vm_id) from e
         return qmp
-
-    @staticmethod
-    def _spawn(argv: list[str], cwd: Path, log_path: Path,
-               pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
-        """Start the VMM in its own session (and so its own process group), detached from
-        the server's terminal and stdio, so it outlives the server and signals to the
-        server's group never reach it. ``pass_fds`` keep their numbers in the VMM."""
-        with open(log_path, "ab") as log_file:
-            return subprocess.Popen(argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log_file,
-                                    stderr=subprocess.STDOUT, start_new_session=True,
-                                    pass_fds=pass_fds)
-
-    @staticmethod
-    def _kill(process: subprocess.Popen[bytes]) -> None:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        process.wait()
 
     async def restore(self, snapshot_dir: Path, overrides: RestoreOverrides) -> QemuVM:
         """Spawn QEMU with the snapshot's machine shape waiting for an incoming migration,
@@ -445,7 +407,7 @@ class QemuRuntime(Runtime):
                 }
                 (spec.workdir / wd.MANIFEST).write_text(json.dumps(manifest, indent=1))
                 t0 = time.monotonic()
-                process = await asyncio.to_thread(self._spawn, argv, spec.workdir,
+                process = await asyncio.to_thread(VMMProcess.spawn, argv, spec.workdir,
                                                   spec.workdir / wd.VMM_LOG, (fd,))
             finally:
                 os.close(fd)
@@ -475,7 +437,7 @@ class QemuRuntime(Runtime):
             await qmp.execute("cont")
             timings["running"] = time.monotonic() - t0
         except BaseException as e:
-            self._kill(process)
+            process.kill_now()
             with contextlib.suppress(BaseException):
                 await joined  # finished or failed by now; its error is not this one
             await asyncio.to_thread(jail.release)
@@ -487,8 +449,8 @@ class QemuRuntime(Runtime):
                 raise SnapshotError(f"restore of {snapshot_dir} failed: {e}", vm_id=spec.vm_id,
                                     vmm_log_tail=tail) from e
             raise
-        vm = QemuVM(vm_id=spec.vm_id, workdir=spec.workdir, accel=accel, pid=process.pid,
-                    process=process, qmp=qmp, started_at=t0, boot_timings=timings,
+        vm = QemuVM(vm_id=spec.vm_id, workdir=spec.workdir, accel=accel, process=process,
+                    qmp=qmp, started_at=t0, boot_timings=timings,
                     max_chain=self._max_chain, jail=jail)
         log.info(
             "restored %s from %s in %.0f ms (memory %.0f, loaded %.0f; pid %d)", spec.vm_id,
@@ -509,34 +471,33 @@ class QemuRuntime(Runtime):
             raise AttachError(f"no VMM recorded in {workdir}: {e}") from e
         vm_id = manifest["vm_id"]
         try:
-            # Pin the process first, then check it is ours: a pid reused after the check
-            # could otherwise be adopted.
-            pidfd = os.pidfd_open(pid)
-            cwd = os.readlink(f"/proc/{pid}/cwd")
-        except OSError:
-            raise AttachError(f"VMM pid {pid} of {vm_id} is gone", vm_id=vm_id) from None
+            process = VMMProcess.adopt(pid, workdir)  # pins the pid, then checks its cwd
+        except NotOurProcessError as e:
+            raise AttachError(f"VMM of {vm_id}: {e}", vm_id=vm_id) from e
         try:
-            if Path(cwd) != workdir.resolve():
-                raise AttachError(f"pid {pid} is not the VMM of {workdir} (cwd {cwd})",
-                                  vm_id=vm_id)
-            qmp = QMPClient(vm_id)
-            try:
-                sock = _unix_connect(workdir / wd.QMP_SOCKET)
-                try:
-                    await asyncio.wait_for(qmp.connect(sock), 5)
-                except BaseException:
-                    sock.close()
-                    raise
-            except (TimeoutError, QMPError, OSError) as e:
-                # QEMU serves one QMP client at a time: a live handle elsewhere times this out.
-                raise AttachError(f"QMP of {vm_id} does not answer ({type(e).__name__}: {e}); "
-                                  "is another client still connected?", vm_id=vm_id) from e
+            qmp = await self._reconnect_qmp(vm_id, workdir)
         except BaseException:
-            os.close(pidfd)
+            process.abandon()
             raise
         accel = AccelChoice(manifest["accel"], manifest["accel_reason"])
         log.info("attached %s (pid %d)", vm_id, pid, extra={"vm_id": vm_id, "op": "attach"})
         jail = Jail.from_record(vm_id, workdir, manifest.get("confinement"))
-        return QemuVM(vm_id=vm_id, workdir=workdir, accel=accel, pid=pid, process=None,
-                      qmp=qmp, started_at=time.monotonic(), pidfd=pidfd,
-                      max_chain=self._max_chain, jail=jail)
+        return QemuVM(vm_id=vm_id, workdir=workdir, accel=accel, process=process, qmp=qmp,
+                      started_at=time.monotonic(), max_chain=self._max_chain, jail=jail)
+
+    @staticmethod
+    async def _reconnect_qmp(vm_id: str, workdir: Path) -> QMPClient:
+        """A new QMP connection to a running VMM (``attach``)."""
+        qmp = QMPClient(vm_id)
+        try:
+            sock = _unix_connect(workdir / wd.QMP_SOCKET)
+            try:
+                await asyncio.wait_for(qmp.connect(sock), 5)
+            except BaseException:
+                sock.close()
+                raise
+        except (TimeoutError, QMPError, OSError) as e:
+            # QEMU serves one QMP client at a time: a live handle elsewhere times this out.
+            raise AttachError(f"QMP of {vm_id} does not answer ({type(e).__name__}: {e}); "
+                              "is another client still connected?", vm_id=vm_id) from e
+        return qmp

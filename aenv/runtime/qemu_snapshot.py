@@ -331,7 +331,7 @@ async def _switch_drive(vm: QemuVM, p: _DrivePlan, staging: Path) -> None:
         if e.errno != errno.EXDEV:
             raise
         snap.copy_sparse(p.top, dest)  # snapshots on another filesystem: a real copy
-    await vm._execute("blockdev-snapshot-sync", {"device": p.id, "snapshot-file": p.new_top,
+    await vm.execute("blockdev-snapshot-sync", {"device": p.id, "snapshot-file": p.new_top,
                                                  "format": "qcow2", "mode": "existing"})
     # The frozen top is the snapshot's now; the VM keeps its open fd, read-only from here.
     Jail.take_back(dest)
@@ -345,15 +345,15 @@ async def _save_device_state(vm: QemuVM, path: Path) -> None:
     fdset: int | None = None
     try:
         vm.send_fd(fd)
-        reply = await vm._execute("add-fd", {})
-        fdset = int(reply["fdset-id"])  # type: ignore[index]
-        await vm._execute("xen-save-devices-state",
+        reply = await vm.execute("add-fd", {})
+        fdset = int(reply["fdset-id"])
+        await vm.execute("xen-save-devices-state",
                           {"filename": f"/dev/fdset/{fdset}", "live": False})
     finally:
         os.close(fd)
         if fdset is not None and vm.is_alive():
             try:
-                await vm._execute("remove-fd", {"fdset-id": fdset})
+                await vm.execute("remove-fd", {"fdset-id": fdset})
             except VMError:
                 pass  # the set goes with the VMM; a leak of one fd at worst
 
@@ -420,7 +420,7 @@ async def capture(vm: QemuVM, directory: Path, *, stop: bool, incremental: bool,
         was_running = await vm.status() == "running"
         t_stop = time.monotonic()
         if was_running:
-            await vm._execute("stop")
+            await vm.execute("stop")
         mem: _MemoryResult | None = None
         try:
             await _save_device_state(vm, staging / snap.DEVICE_STATE)
@@ -439,7 +439,7 @@ async def capture(vm: QemuVM, directory: Path, *, stop: bool, incremental: bool,
                         await _switch_drive(vm, p, staging)
         except BaseException:
             if was_running and not stop and vm.is_alive():
-                await vm._execute("cont")
+                await vm.execute("cont")
             raise
         if stop:
             # Everything is captured while the VMM still holds the VM, which ends only
@@ -453,7 +453,7 @@ async def capture(vm: QemuVM, directory: Path, *, stop: bool, incremental: bool,
             t_thaw = time.monotonic()
         else:
             if was_running:
-                await vm._execute("cont")
+                await vm.execute("cont")
             t_thaw = time.monotonic()
         phases["frozen"] = t_thaw - t_stop
         for p in plans:
@@ -490,7 +490,7 @@ async def capture(vm: QemuVM, directory: Path, *, stop: bool, incremental: bool,
         snap.abort(staging)
         if stop and was_running and not vm_lost and vm.is_alive() and await _frozen(vm):
             # A pause that failed before its commit gives the VM back as it was.
-            await vm._execute("cont")
+            await vm.execute("cont")
         if isinstance(e, (StorageError, OSError)):
             raise SnapshotError(f"snapshot of {vm.vm_id} failed: {e}", vm_id=vm.vm_id,
                                 vm_lost=vm_lost) from e

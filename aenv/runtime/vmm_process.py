@@ -8,7 +8,8 @@ and ``adopt`` (after a server restart) pins the pid first and only then checks t
 cwd is the working directory, so a recycled pid is never mistaken for the VMM.
 
 ``terminate`` sends SIGTERM to the process group, then SIGKILL after a grace period.
-Written for the Firecracker driver; VMM-neutral.
+VMM-neutral: both drivers hold their VMM through it (``QemuVM`` asks QMP to quit first and
+keeps its own ladder of signals, each wait bounded; ``FirecrackerVM`` terminates).
 """
 
 from __future__ import annotations
@@ -36,11 +37,14 @@ class VMMProcess:
         self._returncode: int | None = None
 
     @classmethod
-    def spawn(cls, argv: list[str], cwd: Path, log_path: Path) -> VMMProcess:
-        """Start ``argv`` detached (blocking: call it from a worker thread in async code)."""
+    def spawn(cls, argv: list[str], cwd: Path, log_path: Path,
+              pass_fds: tuple[int, ...] = ()) -> VMMProcess:
+        """Start ``argv`` detached (blocking: call it from a worker thread in async code).
+        ``pass_fds`` keep their numbers in the VMM."""
         with open(log_path, "ab") as log_file:
             popen = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log_file,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+                                     stderr=subprocess.STDOUT, start_new_session=True,
+                                     pass_fds=pass_fds)
         return cls(popen.pid, pidfd=os.pidfd_open(popen.pid), popen=popen)
 
     @classmethod
@@ -72,6 +76,12 @@ class VMMProcess:
     @property
     def is_child(self) -> bool:
         return self._popen is not None
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status of a child that has exited; None while it runs, and always for
+        an adopted VMM (its parent reaps it)."""
+        return self._popen.poll() if self._popen is not None else self._returncode
 
     def is_alive(self) -> bool:
         if self._popen is not None:
@@ -120,6 +130,14 @@ class VMMProcess:
         self.close()
 
     def close(self) -> None:
+        """Release the pidfd once the VMM has exited (a live one stays pinned)."""
         if self._pidfd >= 0 and not self.is_alive():
+            os.close(self._pidfd)
+            self._pidfd = -1
+
+    def abandon(self) -> None:
+        """Stop watching a VMM that is not taken over after all (an attach that failed
+        once the pid was pinned): the pidfd is closed, the process runs on."""
+        if self._pidfd >= 0:
             os.close(self._pidfd)
             self._pidfd = -1

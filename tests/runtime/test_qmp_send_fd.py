@@ -18,6 +18,7 @@ from qemu.qmp import QMPClient
 
 from aenv.runtime.kvm import AccelChoice
 from aenv.runtime.qemu import QemuVM
+from aenv.runtime.vmm_process import VMMProcess
 
 
 def fake_qmp(path: Path, received: list[bytes]) -> threading.Thread:
@@ -67,8 +68,9 @@ def test_send_fd_reaches_qemu_under_either_loop(tmp_path, loop) -> None:
     async def main() -> None:
         qmp = QMPClient("test")
         await qmp.connect(str(path))
+        me = VMMProcess(os.getpid(), pidfd=os.pidfd_open(os.getpid()))  # stands in for QEMU
         vm = QemuVM(vm_id="t", workdir=tmp_path, accel=AccelChoice("tcg", "test"),
-                    pid=os.getpid(), process=None, qmp=qmp, started_at=0.0)
+                    process=me, qmp=qmp, started_at=0.0)
         fd = os.open(payload, os.O_RDONLY)
         try:
             vm.send_fd(fd)
@@ -76,6 +78,7 @@ def test_send_fd_reaches_qemu_under_either_loop(tmp_path, loop) -> None:
         finally:
             os.close(fd)
             await qmp.disconnect()
+            me.abandon()
 
     if loop == "uvloop":
         uvloop.run(main())
