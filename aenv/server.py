@@ -25,15 +25,13 @@ from .orchestrator.builds import Builder
 from .orchestrator.machine import Machines
 from .orchestrator.metrics import MetricsCollector
 from .orchestrator.service import Limits, Orchestrator
+from .orchestrator.template_records import BASE_TEMPLATE, builtin_base
 from .proxy import ProxyRouter, Route, RouteTable
 from .proxy.front import Front
 from .store import (
-    BuildStatus,
     Database,
     SandboxState,
     SandboxStore,
-    TemplateKind,
-    TemplateRecord,
     TemplateStore,
 )
 
@@ -124,20 +122,16 @@ class Server:
         key = self.machines.image_key()
         if key and self.options.snapshot_base:
             # base is a snapshot too: creates restore it (~0.1 s) instead of booting (~5 s).
-            await self.orchestrator.snapshot_template("base", key)
+            await self.orchestrator.snapshot_template(BASE_TEMPLATE, key)
         await self.metrics.start()
         log.info("aenv server ready; API key in %s", self.api_key_file or "$AENV_API_KEY")
 
     def _builtin_templates(self) -> None:
         """``base`` exists out of the box: the node's base image with default size."""
-        if self.templates.get("base") is None:
-            now = time.time()
-            self.templates.insert(TemplateRecord(
-                id="base", kind=TemplateKind.TEMPLATE, build_id="builtin",
-                status=BuildStatus.READY,
+        if self.templates.get(BASE_TEMPLATE) is None:
+            self.templates.insert(builtin_base(
                 cpu_count=self.options.default_cpu, memory_mb=self.options.default_memory_mb,
-                disk_size_mb=self.options.default_disk_mb, created_at=now, updated_at=now,
-                names=["base"], user="user"))
+                disk_size_mb=self.options.default_disk_mb, now=time.time()))
 
     async def close(self) -> None:
         await self.metrics.close()

@@ -62,6 +62,7 @@ from .errors import Conflict, InvalidRequest, LimitReached, TemplateNotFound
 from .ids import new_id, new_layer_ref, new_snapshot_ref, new_token
 from .machine import Machines
 from .pins import Pins
+from .template_records import BASE_TEMPLATE, reserved_for_build
 
 log = logging.getLogger("aenv.builds")
 
@@ -323,10 +324,9 @@ class Builder:
         if existing is not None and existing.kind != TemplateKind.TEMPLATE:
             raise Conflict(f"'{base}' names a snapshot, not a template")
         if existing is None:
-            tpl = TemplateRecord(
-                id=new_id(), kind=TemplateKind.TEMPLATE, build_id="", status=BuildStatus.WAITING,
-                cpu_count=cpu_count or DEFAULT_CPU, memory_mb=memory_mb or DEFAULT_MEMORY_MB,
-                disk_size_mb=DEFAULT_DISK_MB, created_at=now, updated_at=now, names=[base])
+            tpl = reserved_for_build(new_id(), base, cpu_count=cpu_count or DEFAULT_CPU,
+                                     memory_mb=memory_mb or DEFAULT_MEMORY_MB,
+                                     disk_size_mb=DEFAULT_DISK_MB, now=now)
             self.templates.insert(tpl)
         else:
             tpl = existing
@@ -370,9 +370,10 @@ class Builder:
             raise refuse("base", InvalidRequest(
                 "fromImage needs an OCI registry, which this node does not pull from; "
                 "build from a template (fromTemplate) instead"))
-        parent = self.templates.get(spec.get("fromTemplate") or "base")
+        parent_id = spec.get("fromTemplate") or BASE_TEMPLATE
+        parent = self.templates.get(parent_id)
         if parent is None or parent.status != BuildStatus.READY:
-            raise refuse("base", TemplateNotFound(spec.get("fromTemplate") or "base"))
+            raise refuse("base", TemplateNotFound(parent_id))
         for i, step in enumerate(spec.get("steps") or [], start=1):
             kind = step.get("type")
             if kind not in STEP_TYPES:

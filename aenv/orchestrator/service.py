@@ -28,7 +28,6 @@ from ..store import (
     SandboxRecord,
     SandboxState,
     SandboxStore,
-    TemplateKind,
     TemplateRecord,
     TemplateStore,
 )
@@ -45,6 +44,13 @@ from .errors import (
 from .ids import new_id, new_snapshot_ref, new_token
 from .machine import Machines, Placement
 from .pins import Pins
+from .template_records import (
+    BASE_TEMPLATE,
+    base_image_boot,
+    fork_source,
+    persistent_snapshot,
+    resume_source,
+)
 from .timing import record_phases
 
 log = logging.getLogger("aenv.orchestrator")
@@ -264,15 +270,8 @@ class Orchestrator:
                          ) -> TemplateRecord:
         now = self.clock()
         snap_id = new_id()
-        names = [name] if name else []
-        tpl = self.templates.get(rec.template_id)
-        snap = TemplateRecord(
-            id=snap_id, kind=TemplateKind.SNAPSHOT, build_id=snap_id, status=BuildStatus.READY,
-            cpu_count=rec.cpu_count, memory_mb=rec.memory_mb, disk_size_mb=rec.disk_size_mb,
-            created_at=now, updated_at=now, image=ref, parent_id=rec.template_id,
-            source_sandbox=rec.id, env_vars=dict(rec.env_vars),
-            workdir=tpl.workdir if tpl else None, user=tpl.user if tpl else None,
-            envd_token=rec.envd_token, names=[*names, f"{snap_id}:default"])
+        snap = persistent_snapshot(snap_id, rec, self.templates.get(rec.template_id), ref,
+                                   name=name, now=now)
         self.templates.insert(snap)
         return self.templates.get(snap_id) or snap
 
@@ -323,17 +322,8 @@ class Orchestrator:
             await self._capture(src, SandboxState.FORKING, ref)
             src = self.get(sandbox_id)
         capture = self.clock() - t_capture
-        src_tpl = self.templates.get(src.template_id)
         # The children start from the capture; the template is only their family name.
-        image = TemplateRecord(
-            id=src.template_id, kind=TemplateKind.SNAPSHOT, build_id="fork",
-            status=BuildStatus.READY,
-            cpu_count=src.cpu_count, memory_mb=src.memory_mb, disk_size_mb=src.disk_size_mb,
-            created_at=src.started_at, updated_at=src.started_at, image=ref,
-            workdir=src_tpl.workdir if src_tpl else None,
-            user=src_tpl.user if src_tpl else None, envd_token=src.envd_token,
-            spawn_count=src_tpl.spawn_count if src_tpl else 0,
-            names=src_tpl.names if src_tpl else [])
+        image = fork_source(src, self.templates.get(src.template_id), ref)
         ttl = timeout if timeout is not None else max(int(src.end_at - src.started_at), 1)
         # Checked again now that the capture is done, with no await until the inserts.
         self._check_capacity(count, starts=False)
@@ -384,7 +374,7 @@ class Orchestrator:
             envd_token=new_token())
         log.info("template %s: booting it once to snapshot it", tpl.id)
         t0 = self.clock()
-        placement = await self.machines.start(rec, dataclasses.replace(tpl, image=None))
+        placement = await self.machines.start(rec, base_image_boot(tpl))
         rec.vm_dir, rec.slot, rec.host_ip = placement.vm_dir, placement.slot, placement.host_ip
         ref = new_snapshot_ref()
         with self.pins.hold(ref):
@@ -402,8 +392,8 @@ class Orchestrator:
         tpl = self.templates.get(template_id)
         if tpl is None:
             raise TemplateNotFound(template_id)
-        if tpl.id == "base":
-            raise InvalidRequest("the built-in template 'base' cannot be deleted")
+        if tpl.id == BASE_TEMPLATE:
+            raise InvalidRequest(f"the built-in template '{BASE_TEMPLATE}' cannot be deleted")
         self.templates.delete(tpl.id)
 
     def gc_roots(self) -> set[str]:
@@ -553,14 +543,7 @@ class Orchestrator:
                                        cold=rec.pause_mode == "filesystem"))
         if not self.sandboxes.transition(rec.id, [SandboxState.PAUSED], SandboxState.RESUMING):
             raise Conflict(f"sandbox '{rec.id}' changed state")
-        tpl = self.templates.get(rec.template_id)
-        image = TemplateRecord(
-            id=rec.template_id, kind=TemplateKind.SNAPSHOT, build_id="resume",
-            status=BuildStatus.READY, cpu_count=rec.cpu_count, memory_mb=rec.memory_mb,
-            disk_size_mb=rec.disk_size_mb,
-            created_at=rec.started_at, updated_at=rec.started_at, image=rec.snapshot_id,
-            envd_token=rec.envd_token, user=tpl.user if tpl else None,
-            workdir=tpl.workdir if tpl else None, env_vars=rec.env_vars)
+        image = resume_source(rec, self.templates.get(rec.template_id))
         t0 = self.clock()
         try:
             placement = await self.machines.start(rec, image)
