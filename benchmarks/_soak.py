@@ -14,7 +14,9 @@ The **audit** (``audit``) compares the host with the server's database, the stor
 record: VMM processes, VM working directories, guest-RAM files, network namespaces, veths
 and nft tables of the server's prefix must each belong to a live record; every file in
 ``snapshots/`` and ``layers/`` must be reachable from the records' roots (as the server's
-own garbage collection computes them, ``snapshot_store.dependencies``); no record may sit
+own garbage collection computes them, ``snapshot_store.dependencies``), and collection
+should keep no more than what the roots' own manifests read (``snapshots_retained_unneeded``:
+directories reachable only through another kept directory's manifest); no record may sit
 in a transitional state, no paused record may lack its snapshot, and no build may be left
 ``building``. Run it while no operation is in flight.
 """
@@ -297,6 +299,23 @@ def dangling_overlays(settings: Settings) -> list[str]:
     return out
 
 
+def needed_directly(settings: Settings, roots: set[str]) -> set[Path]:
+    """The snapshot directories of ``roots`` and those their own manifests read from."""
+    snaps, layers = settings.snapshots_dir, settings.layers_dir
+    out: set[Path] = set()
+    for r in roots:
+        if not r.startswith(snapshot_store.SNAPSHOT):
+            continue
+        try:
+            d = snapshot_store.directory(snaps, r)
+        except Exception:
+            continue
+        if d.exists():
+            out.add(d)
+            out |= snapshot_store.dependencies(d, snaps, layers)
+    return out
+
+
 def _dir_bytes(path: Path) -> int:
     total = 0
     for root, _, files in os.walk(path):
@@ -388,6 +407,12 @@ def _audit_once(settings: Settings) -> dict[str, Any]:
     snap_entries = sorted(settings.snapshots_dir.iterdir()) \
         if settings.snapshots_dir.is_dir() else []
     p["snapshots_unreachable"] = [e.name for e in snap_entries if e not in keep]
+    # A manifest names every file a restore of it reads (the whole memory stack, the whole
+    # backing chain of each drive), so what the roots need is them and their direct
+    # dependencies; what collection keeps beyond that, it keeps for nobody.
+    needed = needed_directly(settings, roots)
+    p["snapshots_retained_unneeded"] = [e.name for e in snap_entries
+                                        if e in keep and e not in needed]
     layer_entries = sorted(settings.layers_dir.iterdir()) if settings.layers_dir.is_dir() else []
     p["layers_unreachable"] = [
         e.name for e in layer_entries

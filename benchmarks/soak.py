@@ -300,9 +300,9 @@ class Soak:
         found = audit(self.srv.settings, settle_s=5, ignore=self.preexisting)
         entry = {"cycle": self.cycle, **found["counts"],
                  **(process_figures(self.server_pid) if self.server_pid else {}),
-                 "problems": {k: v for k, v in found["problems"].items() if v}}
-        for k, v in entry["problems"].items():
-            self.transient[k].extend(f"cycle {self.cycle}: {x}" for x in v[:5])
+                 "problems": {k: len(v) for k, v in found["problems"].items() if v}}
+        for k, v in found["problems"].items():
+            self.transient[k].extend(f"cycle {self.cycle}: {x}" for x in v[:3])
         self.audits.append(entry)
         log(f"audit at cycle {self.cycle}: {entry}")
         return found
@@ -311,6 +311,12 @@ class Soak:
 
     def finish(self) -> dict[str, Any]:
         """Kill the source, audit, and return the figures (the server keeps running)."""
+        # What the source's lineage holds on disk while it lives (collected at its kill).
+        held = audit(self.srv.settings, settle_s=0, ignore=self.preexisting)
+        retention = {"snapshot_entries": held["counts"]["snapshot_entries"],
+                     "snapshots_mib": held["counts"]["snapshots_mib"],
+                     "retained_unneeded": len(held["problems"]["snapshots_retained_unneeded"]),
+                     "overlay_cache_entries": held["counts"]["overlay_cache_entries"]}
         if self.source is not None:
             try:
                 self.timed("kill", self.source.kill)
@@ -330,12 +336,26 @@ class Soak:
             "sources_created": self.sources, "counter_stalls": self.stalls,
             "latency_ms": {k: summary(v) for k, v in sorted(self.lat.items()) if v},
             "drift_p50_ms": drift(self.lat),
+            "retention_before_final_kill": retention,
+            "growth_per_cycle": growth(self.audits),
             "audits": self.audits,
             "transient_audit_findings": dict(self.transient),
             "final_audit_counts": final["counts"], "final_audit_notes": final["notes"],
             "leaks": leaks, "leak_count": sum(len(v) for v in leaks.values()),
             "preexisting_findings": sorted(f"{k}: {x}" for k, x in self.preexisting),
         }
+
+
+def growth(audits: list[dict[str, Any]]) -> dict[str, float]:
+    """Per cycle, between the first and the last audit, of what should stay flat while one
+    sandbox cycles: files kept, the server's memory and descriptors."""
+    if len(audits) < 2 or audits[-1]["cycle"] == audits[0]["cycle"]:
+        return {}
+    a, b = audits[0], audits[-1]
+    span = b["cycle"] - a["cycle"]
+    keys = ("snapshot_entries", "snapshots_mib", "overlay_cache_entries", "rss_kib", "fds",
+            "vm_dirs", "netns")
+    return {k: round((b[k] - a[k]) / span, 3) for k in keys if k in a and k in b}
 
 
 def drift(lat: dict[str, list[float]]) -> dict[str, dict[str, float]]:
