@@ -42,6 +42,7 @@ from ..storage.kernel import Kernel, ensure_kernel
 from ..store import SandboxRecord, TemplateRecord
 from .errors import InvalidRequest
 from .machine import NodeResources, Placement
+from .timing import PhaseTimer
 
 log = logging.getLogger("aenv.node")
 
@@ -201,15 +202,15 @@ class NodeMachines:
     async def _restore(self, rec: SandboxRecord, template: TemplateRecord,
                        directory: Path) -> Placement:
         """Restore a VM snapshot into a free slot; processes and memory carry on."""
-        t0 = time.monotonic()
+        timer = PhaseTimer()
         slot = await asyncio.to_thread(self.pool.acquire, egress_policy(rec))
-        t_slot = time.monotonic()
+        timer.mark("slot")
         workdir = self.settings.vms_dir / rec.id
         vm: VM | None = None
         try:
             vm = await self.runtime.restore(directory, RestoreOverrides(
                 vm_id=rec.id, workdir=workdir, netns=slot.netns))
-            t_vm = time.monotonic()
+            timer.mark("restore")
             # No /health first: the guest's envd was running when it was captured, and the
             # first /init that connects is the readiness check (one round trip fewer per
             # child of a fork, where every guest competes for the host's cores).
@@ -219,30 +220,28 @@ class NodeMachines:
             await self._abandon(vm, workdir, slot)
             raise
         self._running[rec.id] = _Running(vm, slot, None)
-        timing = {"slot": t_slot - t0, "restore": t_vm - t_slot,
-                  "envd_init": time.monotonic() - t_vm}
+        timer.mark("envd_init")
         log.info("sandbox %s: restored from %s into slot %d, %s", rec.id, directory.name,
-                 slot.index, " ".join(f"{k}={v * 1000:.0f}ms" for k, v in timing.items()),
-                 extra={"sandbox_id": rec.id, "op": "restore",
-                        "duration": time.monotonic() - t0})
+                 slot.index, timer.summary(),
+                 extra={"sandbox_id": rec.id, "op": "restore", "duration": timer.elapsed()})
         return Placement(vm_dir=str(workdir), vm_pid=vm.pid, slot=slot.index,
-                         host_ip=slot.host_ip, runtime=self.runtime.name, phases=timing,
+                         host_ip=slot.host_ip, runtime=self.runtime.name, phases=timer.phases,
                          restored_from=template.image)
 
     async def _boot(self, rec: SandboxRecord, template: TemplateRecord,
                     image: ImageRef) -> Placement:
         """Cold boot of ``image``'s disk (``template``'s image, parsed)."""
         assert self.kernel is not None, "prepare() first"
-        t0 = time.monotonic()
+        timer = PhaseTimer()
         policy = egress_policy(rec)
         slot = await asyncio.to_thread(self.pool.acquire, policy)
-        t_slot = time.monotonic()
+        timer.mark("slot")
         workdir = self.settings.vms_dir / rec.id
         vm: VM | None = None
         disk: Disk | None = None
         try:
             disk = await asyncio.to_thread(create_disk, self._image_for(image), workdir)
-            t_disk = time.monotonic()
+            timer.mark("disk")
             spec = VMSpec(
                 vm_id=rec.id, workdir=workdir, kernel=self.kernel.vmlinux,
                 initrd=self.kernel.initrd, boot_args=guest_boot_args(self.kernel),
@@ -252,26 +251,24 @@ class NodeMachines:
                 memory_file=wd.default_memory_file(rec.id, workdir, self.settings.name_prefix),
             )
             url = f"http://{slot.host_ip}:{ENVD_PORT}"
-            vm, phases = await boot_until_ready(self.runtime, spec, url, ENVD_READY_TIMEOUT_S)
-            t_boot = time.monotonic()
+            vm, boot = await boot_until_ready(self.runtime, spec, url, ENVD_READY_TIMEOUT_S)
+            # The host's share of the boot, then the guest's phases as the console showed.
+            timer.mark("prepare", excluding=boot.total)
+            timer.add({"vmm": boot.vmm_to_qmp, "kernel": boot.kernel_to_init,
+                       "init": boot.init_to_envd_exec, "envd": boot.envd_exec_to_health})
             await self._init_envd(url, rec, template, restored=False)
         except BaseException:
             await self._abandon(vm, workdir, slot)
             raise
         self._running[rec.id] = _Running(vm, slot, disk)
-        timing = {
-            "slot": t_slot - t0, "disk": t_disk - t_slot,
-            "prepare": t_boot - t_disk - phases.total, "vmm": phases.vmm_to_qmp,
-            "kernel": phases.kernel_to_init, "init": phases.init_to_envd_exec,
-            "envd": phases.envd_exec_to_health, "envd_init": time.monotonic() - t_boot,
-        }
+        timer.mark("envd_init")
         log.info("sandbox %s: slot %d, disk %s, %s", rec.id, slot.index, disk.method,
-                 " ".join(f"{k}={v * 1000:.0f}ms" for k, v in timing.items()),
-                 extra={"sandbox_id": rec.id, "op": "create", "duration": time.monotonic() - t0})
+                 timer.summary(),
+                 extra={"sandbox_id": rec.id, "op": "create", "duration": timer.elapsed()})
         # A disk made over a snapshot's or layer's file needs that file for its whole life.
         backing = None if image.is_base else template.image
         return Placement(vm_dir=str(workdir), vm_pid=vm.pid, slot=slot.index,
-                         host_ip=slot.host_ip, runtime=self.runtime.name, phases=timing,
+                         host_ip=slot.host_ip, runtime=self.runtime.name, phases=timer.phases,
                          restored_from=backing)
 
     async def _init_envd(self, url: str, rec: SandboxRecord, template: TemplateRecord, *,

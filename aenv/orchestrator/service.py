@@ -51,7 +51,7 @@ from .template_records import (
     persistent_snapshot,
     resume_source,
 )
-from .timing import record_phases
+from .timing import PhaseTimer, record_phases
 
 log = logging.getLogger("aenv.orchestrator")
 
@@ -160,7 +160,7 @@ class Orchestrator:
     async def create(self, opts: CreateOptions,
                      timings: dict[str, float] | None = None) -> SandboxRecord:
         """Make and boot a sandbox; ``timings``, when given, receives seconds per phase."""
-        t_start = self.clock()
+        timer = PhaseTimer(self.clock)
         if opts.idempotency_key:
             existing = self.sandboxes.by_idempotency_key(opts.idempotency_key)
             if existing is not None:
@@ -171,11 +171,11 @@ class Orchestrator:
         self._check_capacity(1)
         self.admission.check_start(Ask(rec.cpu_count, rec.memory_mb, cold=self._cold(tpl)))
         self.sandboxes.insert(rec)  # no await since the checks: they still hold
-        phases = await self._start(rec, tpl, opts.timeout)
-        phases["orchestrator"] = self.clock() - t_start - sum(phases.values())
-        record_phases("create", phases)
+        timer.add(await self._start(rec, tpl, opts.timeout))  # the machines' phases
+        timer.remainder("orchestrator")
+        record_phases("create", timer.phases)
         if timings is not None:
-            timings.update(phases)
+            timings.update(timer.phases)
         return self.get(rec.id)
 
     def _cold(self, tpl: TemplateRecord) -> bool:
@@ -285,13 +285,14 @@ class Orchestrator:
         self.admission.check_pause(rec.memory_mb)
         if not self.sandboxes.transition(rec.id, [SandboxState.RUNNING], state):
             raise Conflict(f"sandbox '{rec.id}' changed state")
-        t0 = self.clock()
+        timer = PhaseTimer(self.clock)
         try:
             await self.machines.snapshot(rec, ref)
         except Exception:
             self.sandboxes.transition(rec.id, [state], SandboxState.RUNNING)
             raise
-        record_phases(state, {"total": self.clock() - t0})
+        timer.mark("total")
+        record_phases(state, timer.phases)
         # The source's disk now reads through the snapshot: it keeps the snapshot alive.
         self.sandboxes.transition(rec.id, [state], SandboxState.RUNNING, restored_from=ref)
 
@@ -316,12 +317,12 @@ class Orchestrator:
 
     async def _fork(self, sandbox_id: str, count: int, ref: str, timeout: int | None,
                     timings: dict[str, float] | None) -> list[SandboxRecord | Exception]:
-        t_capture = self.clock()
+        timer = PhaseTimer(self.clock)
         async with self._lock(sandbox_id):
             src = self.get(sandbox_id)
             await self._capture(src, SandboxState.FORKING, ref)
             src = self.get(sandbox_id)
-        capture = self.clock() - t_capture
+        timer.mark("capture")
         # The children start from the capture; the template is only their family name.
         image = fork_source(src, self.templates.get(src.template_id), ref)
         ttl = timeout if timeout is not None else max(int(src.end_at - src.started_at), 1)
@@ -338,13 +339,13 @@ class Orchestrator:
                 cpu_count=src.cpu_count, memory_mb=src.memory_mb, client_id=src.client_id))
             self.sandboxes.insert(child)
             children.append(child)
-        t0 = self.clock()
+        timer.skip()  # the children's records are no phase
         results = await asyncio.gather(*(self._start(c, image, ttl) for c in children),
                                        return_exceptions=True)
-        phases = {"capture": capture, "children": self.clock() - t0}
-        record_phases("fork", phases)
+        timer.mark("children")
+        record_phases("fork", timer.phases)
         if timings is not None:
-            timings.update(phases)
+            timings.update(timer.phases)
             timings.update(_spread([r for r in results if isinstance(r, dict)]))
         out: list[SandboxRecord | Exception] = []
         for child, result in zip(children, results, strict=True):
@@ -373,7 +374,7 @@ class Orchestrator:
             memory_mb=tpl.memory_mb, disk_size_mb=tpl.disk_size_mb, env_vars=tpl.env_vars,
             envd_token=new_token())
         log.info("template %s: booting it once to snapshot it", tpl.id)
-        t0 = self.clock()
+        timer = PhaseTimer(self.clock)
         placement = await self.machines.start(rec, base_image_boot(tpl))
         rec.vm_dir, rec.slot, rec.host_ip = placement.vm_dir, placement.slot, placement.host_ip
         ref = new_snapshot_ref()
@@ -384,7 +385,7 @@ class Orchestrator:
                 await self.machines.stop(rec)
                 raise
             self.templates.update(tpl.id, image=ref, build_id=key, envd_token=rec.envd_token)
-        log.info("template %s: snapshot %s ready in %.1f s", tpl.id, ref, self.clock() - t0)
+        log.info("template %s: snapshot %s ready in %.1f s", tpl.id, ref, timer.elapsed())
         await self.collect_garbage()
 
     def delete_template(self, template_id: str) -> None:
@@ -508,7 +509,7 @@ class Orchestrator:
         if not self.sandboxes.transition(rec.id, [SandboxState.RUNNING], SandboxState.PAUSING,
                                          snapshot_id=ref):
             raise Conflict(f"sandbox '{rec.id}' changed state")
-        t0 = self.clock()
+        timer = PhaseTimer(self.clock)
         try:
             await self.machines.pause(rec, memory, ref)
         except Exception as e:
@@ -518,7 +519,8 @@ class Orchestrator:
             # The snapshot was committed and only the VM's end failed: it is paused.
             log.warning("sandbox %s: pause completed despite: %s", rec.id, e)
             await self.machines.stop(rec)
-        record_phases("pause", {"total": self.clock() - t0})
+        timer.mark("total")
+        record_phases("pause", timer.phases)
         await self._stopped(rec.id)
         self.sandboxes.transition(
             rec.id, [SandboxState.PAUSING], SandboxState.PAUSED, restored_from=None,
@@ -544,14 +546,14 @@ class Orchestrator:
         if not self.sandboxes.transition(rec.id, [SandboxState.PAUSED], SandboxState.RESUMING):
             raise Conflict(f"sandbox '{rec.id}' changed state")
         image = resume_source(rec, self.templates.get(rec.template_id))
-        t0 = self.clock()
+        timer = PhaseTimer(self.clock)
         try:
             placement = await self.machines.start(rec, image)
         except Exception:
             self.sandboxes.transition(rec.id, [SandboxState.RESUMING], SandboxState.PAUSED)
             raise
-        now = self.clock()
-        record_phases("resume", {"total": now - t0, **placement.phases})
+        now = timer.mark("total")
+        record_phases("resume", {**timer.phases, **placement.phases})
         if timings is not None:
             timings.update(placement.phases)
         self.sandboxes.transition(
