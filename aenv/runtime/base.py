@@ -120,6 +120,12 @@ class SnapshotError(VMError):
         return f"{base}\n--- vmm log ---\n{self.vmm_log_tail}" if self.vmm_log_tail else base
 
 
+class MachineRecordError(SnapshotError):
+    """A persisted machine record (a working directory's ``vm.json``, a snapshot manifest's
+    ``vm``) is of a version or shape this aenv does not read
+    (``aenv.runtime.machine_record``); nothing was started or changed."""
+
+
 class UnknownRuntimeError(VMError):
     """``get_runtime`` was asked for a driver that does not exist."""
 

@@ -48,6 +48,7 @@ reflink, e.g. XFS or btrfs). Guest RAM is always Firecracker's own anonymous mem
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -69,6 +70,7 @@ from .base import (
     AttachError,
     BootError,
     ControlError,
+    MachineRecordError,
     NotSupportedError,
     RestoreOverrides,
     Runtime,
@@ -81,6 +83,7 @@ from .base import (
 )
 from .cgroups import VMCgroup
 from .confine import Confinement, Jail
+from .firecracker_snapshot import FirecrackerMachine
 from .kvm import AccelChoice, host_accel
 from .qemu_args import netns_path
 from .vmm_process import NotOurProcessError, VMMProcess
@@ -214,17 +217,14 @@ class FirecrackerVM(VM):
         self._process = process
         self._api = api
         self._record = record  # the working directory's vm.json
+        # the machine record (goes into every snapshot manifest)
+        self.machine = FirecrackerMachine.from_json(record["machine"], workdir / wd.MANIFEST)
         self.jail = jail or Jail(vm_id, workdir, released=True)
         self._root = root or workdir  # Firecracker's cwd
 
     @property
     def pid(self) -> int:
         return self._process.pid
-
-    @property
-    def machine(self) -> dict[str, Any]:
-        """The driver's record of the machine shape (goes into every snapshot manifest)."""
-        return self._record["machine"]
 
     @property
     def memory_parent(self) -> Path | None:
@@ -285,7 +285,7 @@ class FirecrackerVM(VM):
             staging = snapshots.begin(directory)
             plan = await asyncio.to_thread(
                 fcsnap.plan, staging, parent, parent_dir, incremental=incremental,
-                track_dirty_pages=self.machine["track_dirty_pages"])
+                track_dirty_pages=self.machine.track_dirty_pages)
             t_freeze = time.monotonic()
             if was_running:
                 await self._call(fc.patch_vm("Paused"))
@@ -315,8 +315,8 @@ class FirecrackerVM(VM):
             layers = await asyncio.to_thread(fcsnap.finish_memory, plan, staging, directory)
             memory_bytes = await asyncio.to_thread(fcsnap.written_bytes, plan, staging, layers)
             manifest = snapshots.Manifest(
-                driver=fcsnap.DRIVER, vm=self.machine,
-                memory_size=self.machine["memory_mib"] << 20, layers=layers, drives=drives,
+                driver=fcsnap.DRIVER, vm=self.machine.to_json(),
+                memory_size=self.machine.memory_size, layers=layers, drives=drives,
                 parent=plan.parent,
                 sizes={"vmstate": (staging / fcsnap.VMSTATE).stat().st_size,
                        "memory_written": memory_bytes, "disk_written": disk_bytes},
@@ -393,14 +393,14 @@ class FirecrackerVM(VM):
         (reflink where the filesystem can) as the snapshot's own file. Returns the images
         and the bytes copied."""
         images, copied = [], 0
-        for d in self.machine["drives"]:
-            name = f"{d['id']}.raw"
+        for d in self.machine.drives:
+            name = f"{d.id}.raw"
             host = (self.workdir / name).resolve()
-            if d["read_only"]:
-                images.append(snapshots.DriveImage(d["id"], "raw", True, path=host))
+            if d.read_only:
+                images.append(snapshots.DriveImage(d.id, "raw", True, path=host))
                 continue
             copied += fcsnap.clone(host, staging / name)[1]
-            images.append(snapshots.DriveImage(d["id"], "raw", False, file=name))
+            images.append(snapshots.DriveImage(d.id, "raw", False, file=name))
         return tuple(images), copied
 
     def _set_memory_parent(self, parent: Path | None) -> None:
@@ -555,23 +555,19 @@ class FirecrackerRuntime(Runtime):
         self.check_spec(spec)
         binary = self._binary_or_raise(spec.vm_id)
         wd.prepare(spec)
-        machine = {
-            "vcpus": spec.vcpus,
-            "memory_mib": spec.memory_mib,
-            "track_dirty_pages": self.track_dirty_pages,
-            "kernel": str(spec.kernel.resolve()),
-            "initrd": str(spec.initrd.resolve()) if spec.initrd else None,
-            "boot_args": boot_args(spec.boot_args),
-            "drives": [{"id": d.id, "read_only": d.read_only, "root": i == 0}
-                       for i, d in enumerate(spec.drives)],
-            "network": {"iface_id": IFACE_ID, "host_dev_name": spec.tap, "guest_mac": spec.mac}
-            if spec.tap else None,
-        }
+        machine = FirecrackerMachine(
+            vcpus=spec.vcpus, memory_mib=spec.memory_mib,
+            track_dirty_pages=self.track_dirty_pages, kernel=spec.kernel.resolve(),
+            initrd=spec.initrd.resolve() if spec.initrd else None,
+            boot_args=boot_args(spec.boot_args),
+            drives=tuple(fcsnap.MachineDrive(d.id, d.read_only, root=i == 0)
+                         for i, d in enumerate(spec.drives)),
+            network=fcsnap.MachineNetwork(IFACE_ID, spec.tap, spec.mac) if spec.tap else None)
         requests = [
             *self._observability(),
             fc.put_machine_config(spec.vcpus, spec.memory_mib,
                                   track_dirty_pages=self.track_dirty_pages),
-            fc.put_boot_source(wd.KERNEL, machine["boot_args"],
+            fc.put_boot_source(wd.KERNEL, machine.boot_args,
                                wd.INITRD if spec.initrd else None),
             *(fc.put_drive(d.id, wd.drive_name(d), is_root_device=i == 0,
                            is_read_only=d.read_only) for i, d in enumerate(spec.drives)),
@@ -638,16 +634,15 @@ class FirecrackerRuntime(Runtime):
             workdir.mkdir(parents=True)  # must be new: nothing of another VM may linger
             memory = await asyncio.to_thread(self._prepare_restore, manifest, snapshot_dir,
                                              overrides)
-            machine = json.loads(json.dumps(manifest.vm))
-            network = machine.get("network")
+            machine = FirecrackerMachine.from_json(manifest.vm, snapshot_dir / snapshots.MANIFEST)
             overrides_net: list[tuple[str, str]] = []
-            if network and overrides.tap:
-                network["host_dev_name"] = overrides.tap
-                overrides_net.append((network["iface_id"], overrides.tap))
+            if machine.network and overrides.tap:
+                machine = machine.with_tap(overrides.tap)
+                overrides_net.append((machine.network.iface_id, overrides.tap))
             drive_names = [f"{d.id}.raw" for d in manifest.drives]
             launch = await asyncio.to_thread(
                 self._launch, vm_id, workdir, overrides.netns, binary,
-                vcpus=machine["vcpus"], memory_mib=machine["memory_mib"],
+                vcpus=machine.vcpus, memory_mib=machine.memory_mib,
                 limits=overrides.limits, largest_file=max(
                     (os.path.getsize(workdir / n) for n in drive_names), default=0))
             try:
@@ -659,7 +654,7 @@ class FirecrackerRuntime(Runtime):
             t_files = time.monotonic() - t0
             requests = [
                 *self._observability(),
-                fc.load_snapshot(*paths, track_dirty_pages=machine["track_dirty_pages"],
+                fc.load_snapshot(*paths, track_dirty_pages=machine.track_dirty_pages,
                                  resume_vm=True, network_overrides=overrides_net),
             ]
             vm, t_loaded = await self._start(vm_id, workdir, launch, machine, requests,
@@ -719,7 +714,7 @@ class FirecrackerRuntime(Runtime):
                 launch.path(memory, fcsnap.MEMORY, workdir, own=own_memory))
 
     async def _start(self, vm_id: str, workdir: Path, launch: _Launch,
-                     machine: dict[str, Any], requests: list[fc.Request], *,
+                     machine: FirecrackerMachine, requests: list[fc.Request], *,
                      restored_from: Path | None,
                      last_timeout: float | None = None) -> tuple[FirecrackerVM, float]:
         """Spawn Firecracker (``launch``), wait for its socket, check its version and send
@@ -733,7 +728,7 @@ class FirecrackerRuntime(Runtime):
         argv = launch.argv
         record: dict[str, Any] = {
             "vm_id": vm_id, "runtime": self.name, "accel": "kvm", "accel_reason": accel.reason,
-            "argv": argv, "created_at": time.time(), "machine": machine,
+            "argv": argv, "created_at": time.time(), "machine": machine.to_json(),
             "restored_from": str(restored_from) if restored_from else None,
             "memory_parent": str(restored_from) if restored_from else None,
             "jail_root": str(launch.root) if launch.jailed else None,
@@ -757,7 +752,9 @@ class FirecrackerRuntime(Runtime):
             if fc.parse_version(version) < fc.MIN_VERSION:
                 raise BootError(f"Firecracker {version} is too old: aenv needs v1.14 or newer",
                                 vm_id=vm_id)
-            record["machine"]["firecracker_version"] = version  # the format of its vmstate
+            # the format of its vmstate
+            vm.machine = dataclasses.replace(vm.machine, firecracker_version=version)
+            record["machine"] = vm.machine.to_json()
             _write_json(workdir / wd.MANIFEST, record)
             for i, request in enumerate(requests):
                 last = i == len(requests) - 1
@@ -821,10 +818,14 @@ class FirecrackerRuntime(Runtime):
             raise AttachError(f"VMM of {vm_id}: {e}", vm_id=vm_id) from e
         root = jail_root or workdir
         api = fc.FirecrackerAPI(root / API_SOCKET, vm_id=vm_id)
-        vm = FirecrackerVM(vm_id=vm_id, workdir=workdir, process=process, api=api,
-                           record=record, started_at=time.monotonic(),
-                           jail=Jail.from_record(vm_id, workdir, record.get("confinement")),
-                           root=root)
+        try:
+            vm = FirecrackerVM(vm_id=vm_id, workdir=workdir, process=process, api=api,
+                               record=record, started_at=time.monotonic(),
+                               jail=Jail.from_record(vm_id, workdir, record.get("confinement")),
+                               root=root)
+        except MachineRecordError as e:
+            process.abandon()
+            raise AttachError(f"VMM of {vm_id}: {e}", vm_id=vm_id) from e
         try:
             state = await vm.status()
         except (ControlError, VMExitedError) as e:

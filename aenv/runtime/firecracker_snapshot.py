@@ -22,20 +22,28 @@ Firecracker files relate to the VMM-neutral layout:
 Firecracker resets its dirty bitmap on every successful ``/snapshot/create`` and on
 ``/snapshot/load``, so "dirtied since the parent" is exact only when the parent is the last
 snapshot this VM took or was loaded from; the driver tracks that (``memory_parent``).
+
+The machine shape (``FirecrackerMachine``: what a restore passes Firecracker again, and the
+Firecracker version whose ``vmstate`` format the snapshot has) is kept in ``vm.json`` and in
+every manifest's ``vm``, versioned (``aenv.runtime.machine_record``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import os
 import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, ClassVar
 
 from ..storage import snapshots
 from ..storage.disks import reflink
 from ..storage.snapshots import PAGE_SIZE, Manifest, MemoryLayer, Run
+from . import machine_record
+from .base import MachineRecordError
 from .firecracker_api import SnapshotType
 
 DRIVER = "firecracker"
@@ -48,6 +56,95 @@ _FIEMAP_EXTENT = struct.Struct("=QQQ2QI3I")  # logical, physical, length, reserv
 _FIEMAP_EXTENT_LAST = 0x1
 _FIEMAP_EXTENT_SHARED = 0x2000
 _FIEMAP_BATCH = 256
+
+
+@dataclass(frozen=True)
+class MachineDrive:
+    """A drive as Firecracker was given it (``PUT /drives``); always a raw file."""
+
+    id: str
+    read_only: bool
+    root: bool
+
+
+@dataclass(frozen=True)
+class MachineNetwork:
+    """The network interface (``PUT /network-interfaces``); a restore may name another
+    tap (``network_overrides``)."""
+
+    iface_id: str
+    host_dev_name: str
+    guest_mac: str
+
+
+@dataclass(frozen=True)
+class FirecrackerMachine:
+    """The machine shape of a Firecracker VM, in ``vm.json`` and in every snapshot manifest
+    (``Manifest.vm``); written by ``to_json`` and read by ``from_json`` only (a record
+    without a version is version 1). ``firecracker_version``: the VMM that runs it, whose
+    ``vmstate`` format a snapshot has (None until its API answered)."""
+
+    VERSION: ClassVar[int] = 1
+
+    vcpus: int
+    memory_mib: int
+    track_dirty_pages: bool
+    kernel: Path
+    initrd: Path | None
+    boot_args: str
+    drives: tuple[MachineDrive, ...]
+    network: MachineNetwork | None
+    firecracker_version: str | None = None
+
+    @property
+    def memory_size(self) -> int:
+        return self.memory_mib << 20
+
+    def with_tap(self, tap: str) -> FirecrackerMachine:
+        """The same machine on another host tap (a restore into a new slot)."""
+        if self.network is None:
+            return self
+        return dataclasses.replace(
+            self, network=dataclasses.replace(self.network, host_dev_name=tap))
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "version": self.VERSION,
+            "vcpus": self.vcpus,
+            "memory_mib": self.memory_mib,
+            "track_dirty_pages": self.track_dirty_pages,
+            "kernel": str(self.kernel),
+            "initrd": str(self.initrd) if self.initrd else None,
+            "boot_args": self.boot_args,
+            "drives": [{"id": d.id, "read_only": d.read_only, "root": d.root}
+                       for d in self.drives],
+            "network": dataclasses.asdict(self.network) if self.network else None,
+        }
+        if self.firecracker_version is not None:
+            data["firecracker_version"] = self.firecracker_version
+        return data
+
+    @classmethod
+    def from_json(cls, data: object, where: object) -> FirecrackerMachine:
+        """The record in ``data``; ``MachineRecordError`` (naming ``where``) for another
+        version or a malformed one."""
+        m = machine_record.fields(data, version=cls.VERSION,
+                                  kind="firecracker machine record", where=where)
+        try:
+            net = m["network"]
+            return cls(
+                vcpus=int(m["vcpus"]), memory_mib=int(m["memory_mib"]),
+                track_dirty_pages=bool(m["track_dirty_pages"]), kernel=Path(m["kernel"]),
+                initrd=Path(m["initrd"]) if m["initrd"] else None,
+                boot_args=str(m["boot_args"]),
+                drives=tuple(MachineDrive(str(d["id"]), bool(d["read_only"]), bool(d["root"]))
+                             for d in m["drives"]),
+                network=MachineNetwork(str(net["iface_id"]), str(net["host_dev_name"]),
+                                       str(net["guest_mac"])) if net else None,
+                firecracker_version=m.get("firecracker_version"))
+        except (KeyError, TypeError, ValueError) as e:
+            raise MachineRecordError(
+                f"{where}: malformed firecracker machine record ({e!r})") from e
 
 
 @dataclass(frozen=True)

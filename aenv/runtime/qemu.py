@@ -57,6 +57,7 @@ from .base import (
 )
 from .confine import Confinement, Jail
 from .kvm import AccelChoice, host_accel
+from .qemu_snapshot import QemuMachine
 from .vmm_process import NotOurProcessError, VMMProcess
 
 log = logging.getLogger("aenv.runtime")
@@ -285,17 +286,7 @@ class QemuRuntime(Runtime):
                                 spec.limits, BootError)
         try:
             argv = await self._argv(spec, accel, binary, jail=jail)
-            manifest = {
-                "vm_id": spec.vm_id,
-                "runtime": self.name,
-                "accel": accel.accel,
-                "accel_reason": accel.reason,
-                "argv": argv,
-                "created_at": time.time(),
-                "machine": qemu_snapshot.machine_record(spec, accel.accel),
-                "confinement": jail.record(),
-            }
-            (spec.workdir / wd.MANIFEST).write_text(json.dumps(manifest, indent=1))
+            self._write_record(spec, accel, argv, QemuMachine.of(spec, accel.accel), jail)
             vmm_log = spec.workdir / wd.VMM_LOG
             t0 = time.monotonic()
             process = await asyncio.to_thread(VMMProcess.spawn, jail.wrap(argv), spec.workdir,
@@ -326,6 +317,22 @@ class QemuRuntime(Runtime):
                    "accel": accel.accel},
         )
         return vm
+
+    def _write_record(self, spec: VMSpec, accel: AccelChoice, argv: list[str],
+                      machine: QemuMachine, jail: Jail, *,
+                      restored_from: Path | None = None) -> None:
+        """The working directory's ``vm.json``, before the VMM starts: what ``attach`` reads
+        (id, accelerator, confinement), ``workdir.remove`` (confinement) and every snapshot
+        of the VM (the machine record)."""
+        record: dict[str, Any] = {
+            "vm_id": spec.vm_id, "runtime": self.name, "accel": accel.accel,
+            "accel_reason": accel.reason, "argv": argv, "created_at": time.time(),
+            "machine": machine.to_json(),
+        }
+        if restored_from is not None:
+            record["restored_from"] = str(restored_from)
+        record["confinement"] = jail.record()
+        (spec.workdir / wd.MANIFEST).write_text(json.dumps(record, indent=1))
 
     async def _argv(self, spec: VMSpec, accel: AccelChoice, binary: str, *, jail: Jail,
                     restore: bool = False) -> list[str]:
@@ -399,13 +406,8 @@ class QemuRuntime(Runtime):
             fd = os.open(plan.device_state, os.O_RDONLY | os.O_CLOEXEC)
             try:
                 argv = await self._argv(spec, accel, binary, jail=jail, restore=True)
-                manifest = {
-                    "vm_id": spec.vm_id, "runtime": self.name, "accel": accel.accel,
-                    "accel_reason": accel.reason, "argv": argv, "created_at": time.time(),
-                    "machine": plan.manifest.vm, "restored_from": str(snapshot_dir),
-                    "confinement": jail.record(),
-                }
-                (spec.workdir / wd.MANIFEST).write_text(json.dumps(manifest, indent=1))
+                self._write_record(spec, accel, argv, plan.machine, jail,
+                                   restored_from=snapshot_dir)
                 t0 = time.monotonic()
                 process = await asyncio.to_thread(VMMProcess.spawn, argv, spec.workdir,
                                                   spec.workdir / wd.VMM_LOG, (fd,))

@@ -74,15 +74,19 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from ..storage import snapshots as snap
 from ..storage.disks import DiskError, create_disk, reflink
 from ..storage.errors import StorageError
 from . import guest_memory as gm
+from . import machine_record
 from . import workdir as wd
 from .base import (
+    Accel,
     Drive,
+    DriveFormat,
+    MachineRecordError,
     NotSupportedError,
     RestoreOverrides,
     SnapshotError,
@@ -108,29 +112,96 @@ _SAME_OWNER = re.compile(rb"(.)\1*", re.S)
 # -- what the working directory records -------------------------------------------------------
 
 
-def machine_record(spec: VMSpec, accel: str) -> dict[str, Any]:
-    """The machine shape a restore must rebuild exactly (kept in ``vm.json`` and in every
-    snapshot manifest). Host paths are of shared, immutable files (kernel, initrd)."""
-    return {
-        "vcpus": spec.vcpus,
-        "memory_mib": spec.memory_mib,
-        "accel": accel,
-        "kernel": str(spec.kernel.resolve()),
-        "initrd": str(spec.initrd.resolve()) if spec.initrd else None,
-        "boot_args": spec.boot_args,
-        "mac": spec.mac,
-        "tap": spec.tap,
-        "memory_file": spec.memory_file is not None,
-        "drives": [{"id": d.id, "format": d.format, "read_only": d.read_only}
-                   for d in spec.drives],
-    }
+@dataclass(frozen=True)
+class MachineDrive:
+    """A drive as the machine record keeps it: which device, in which format."""
+
+    id: str
+    format: DriveFormat
+    read_only: bool
+
+    @property
+    def name(self) -> str:
+        """Its fixed name in a working directory (``workdir.drive_name``)."""
+        return f"{self.id}.{self.format}"
 
 
-def read_machine(workdir: Path) -> dict[str, Any]:
+@dataclass(frozen=True)
+class QemuMachine:
+    """The machine shape a restore must rebuild exactly: kept in ``vm.json`` and in every
+    snapshot manifest (``Manifest.vm``), written by ``to_json`` and read by ``from_json``
+    only (``aenv.runtime.machine_record``: a record without a version is version 1).
+    Host paths are of shared, immutable files (kernel, initrd). ``memory_file``: guest RAM
+    is a file the VMM maps (snapshots need it)."""
+
+    VERSION: ClassVar[int] = 1
+
+    vcpus: int
+    memory_mib: int
+    accel: Accel
+    kernel: Path
+    initrd: Path | None
+    boot_args: str
+    mac: str
+    tap: str | None
+    memory_file: bool
+    drives: tuple[MachineDrive, ...]
+
+    @classmethod
+    def of(cls, spec: VMSpec, accel: Accel) -> QemuMachine:
+        return cls(
+            vcpus=spec.vcpus, memory_mib=spec.memory_mib, accel=accel,
+            kernel=spec.kernel.resolve(),
+            initrd=spec.initrd.resolve() if spec.initrd else None, boot_args=spec.boot_args,
+            mac=spec.mac, tap=spec.tap, memory_file=spec.memory_file is not None,
+            drives=tuple(MachineDrive(d.id, d.format, d.read_only) for d in spec.drives))
+
+    @property
+    def memory_size(self) -> int:
+        return self.memory_mib << 20
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": self.VERSION,
+            "vcpus": self.vcpus,
+            "memory_mib": self.memory_mib,
+            "accel": self.accel,
+            "kernel": str(self.kernel),
+            "initrd": str(self.initrd) if self.initrd else None,
+            "boot_args": self.boot_args,
+            "mac": self.mac,
+            "tap": self.tap,
+            "memory_file": self.memory_file,
+            "drives": [{"id": d.id, "format": d.format, "read_only": d.read_only}
+                       for d in self.drives],
+        }
+
+    @classmethod
+    def from_json(cls, data: object, where: object) -> QemuMachine:
+        """The record in ``data``; ``MachineRecordError`` (naming ``where``) for another
+        version or a malformed one."""
+        m = machine_record.fields(data, version=cls.VERSION, kind="qemu machine record",
+                                  where=where)
+        try:
+            return cls(
+                vcpus=int(m["vcpus"]), memory_mib=int(m["memory_mib"]), accel=m["accel"],
+                kernel=Path(m["kernel"]), initrd=Path(m["initrd"]) if m["initrd"] else None,
+                boot_args=str(m["boot_args"]), mac=str(m["mac"]), tap=m["tap"],
+                memory_file=bool(m["memory_file"]),
+                drives=tuple(MachineDrive(str(d["id"]), d["format"], bool(d["read_only"]))
+                             for d in m["drives"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise MachineRecordError(f"{where}: malformed qemu machine record ({e!r})") from e
+
+
+def read_machine(workdir: Path) -> QemuMachine:
+    """The machine record of a VM's working directory (its ``vm.json``)."""
+    path = workdir / wd.MANIFEST
     try:
-        return json.loads((workdir / wd.MANIFEST).read_text())["machine"]
+        data = json.loads(path.read_text())["machine"]
     except (OSError, ValueError, KeyError) as e:
         raise SnapshotError(f"{workdir} has no machine record: {e}") from e
+    return QemuMachine.from_json(data, path)
 
 
 @dataclass
@@ -146,12 +217,11 @@ class Lineage:
     generation: int = 0
 
     @classmethod
-    def load(cls, workdir: Path, machine: dict[str, Any]) -> Lineage:
+    def load(cls, workdir: Path, machine: QemuMachine) -> Lineage:
         try:
             data = json.loads((workdir / wd.LINEAGE).read_text())
         except FileNotFoundError:
-            tops = {d["id"]: f"{d['id']}.{d['format']}" for d in machine["drives"]
-                    if not d["read_only"]}
+            tops = {d.id: d.name for d in machine.drives if not d.read_only}
             return cls("shared", None, tops)
         return cls(data["memory"], Path(data["parent"]) if data["parent"] else None,
                    data["tops"], data.get("generation", 0))
@@ -187,14 +257,14 @@ class _DrivePlan:
                                root=self.root, root_format=self.root_format)
 
 
-def _plan_drives(workdir: Path, machine: dict[str, Any], lineage: Lineage,
+def _plan_drives(workdir: Path, machine: QemuMachine, lineage: Lineage,
                  parent: snap.Manifest | None, directory: Path, *, stop: bool,
                  incremental: bool, max_chain: int, jail: Jail) -> list[_DrivePlan]:
     """Decide what happens to each drive, and make the overlays a running VM will switch
     to, before the freeze (qemu-img takes ~20 ms a call)."""
     plans = []
-    for d in machine["drives"]:
-        p = _DrivePlan(d["id"], d["format"], d["read_only"])
+    for d in machine.drives:
+        p = _DrivePlan(d.id, d.format, d.read_only)
         if p.read_only:
             p.top = (workdir / f"{p.id}.{p.format}").resolve()
             plans.append(p)
@@ -399,7 +469,7 @@ async def capture(vm: QemuVM, directory: Path, *, stop: bool, incremental: bool,
     t0 = time.monotonic()
     phases: dict[str, float] = {}
     machine = read_machine(vm.workdir)
-    if not machine["memory_file"]:
+    if not machine.memory_file:
         raise NotSupportedError("snapshots need guest RAM in a file (VMSpec.memory_file)",
                                 vm_id=vm.vm_id)
     lineage = Lineage.load(vm.workdir, machine)
@@ -475,7 +545,7 @@ async def capture(vm: QemuVM, directory: Path, *, stop: bool, incremental: bool,
         }
         phases.update({f"memory_{k}": v for k, v in mem.phases.items()})
         manifest = snap.Manifest(
-            driver=DRIVER, vm=machine, memory_size=machine["memory_mib"] << 20,
+            driver=DRIVER, vm=machine.to_json(), memory_size=machine.memory_size,
             layers=tuple(_relocate(la, staging, directory) for la in mem.layers),
             drives=tuple(p.image() for p in plans), parent=lineage.parent,
             sizes=sizes, timings=phases)
@@ -534,7 +604,11 @@ class RestorePlan:
     snapshot_dir: Path
     manifest: snap.Manifest
     spec: VMSpec  # ``memory_file`` is the base image the VM maps copy-on-write
-    accel: str
+    machine: QemuMachine
+
+    @property
+    def accel(self) -> Accel:
+        return self.machine.accel
 
     @property
     def device_state(self) -> Path:
@@ -552,7 +626,7 @@ def prepare_restore(snapshot_dir: Path, overrides: RestoreOverrides) -> RestoreP
     if manifest.driver != DRIVER:
         raise SnapshotError(f"{snapshot_dir} was taken by the {manifest.driver} driver",
                             vm_id=overrides.vm_id)
-    m = manifest.vm
+    m = QemuMachine.from_json(manifest.vm, snapshot_dir / snap.MANIFEST)
     workdir = overrides.workdir
     if workdir.exists() and any(workdir.iterdir()):
         raise SnapshotError(f"{workdir} is not empty", vm_id=overrides.vm_id)
@@ -573,12 +647,10 @@ def prepare_restore(snapshot_dir: Path, overrides: RestoreOverrides) -> RestoreP
         raise SnapshotError(f"cannot make the drives of {overrides.vm_id}: {e}",
                             vm_id=overrides.vm_id) from e
     spec = VMSpec(
-        vm_id=overrides.vm_id, workdir=workdir, kernel=Path(m["kernel"]),
-        boot_args=m["boot_args"], drives=tuple(drives),
-        initrd=Path(m["initrd"]) if m["initrd"] else None, vcpus=m["vcpus"],
-        memory_mib=m["memory_mib"], tap=(overrides.tap or m["tap"]) if m["tap"] else None,
-        netns=overrides.netns, mac=m["mac"], memory_file=manifest.layers[0].path,
-        console_log=overrides.console_log,
+        vm_id=overrides.vm_id, workdir=workdir, kernel=m.kernel, boot_args=m.boot_args,
+        drives=tuple(drives), initrd=m.initrd, vcpus=m.vcpus, memory_mib=m.memory_mib,
+        tap=(overrides.tap or m.tap) if m.tap else None, netns=overrides.netns, mac=m.mac,
+        memory_file=manifest.layers[0].path, console_log=overrides.console_log,
     )
     wd.prepare(dataclasses.replace(spec, memory_file=None))
     base = workdir / wd.BASE_MEMORY
@@ -586,7 +658,7 @@ def prepare_restore(snapshot_dir: Path, overrides: RestoreOverrides) -> RestoreP
     base.symlink_to(manifest.layers[0].path)
     tops = {d.id: wd.drive_name(d) for d in drives if not d.read_only}
     Lineage("private", snapshot_dir, tops).save(workdir)
-    return RestorePlan(snapshot_dir, manifest, spec, m["accel"])
+    return RestorePlan(snapshot_dir, manifest, spec, m)
 
 
 def apply_memory(pid: int, plan: RestorePlan) -> int:

@@ -10,6 +10,7 @@ published API as documented; they do not prove a guest boots (see test_firecrack
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -24,6 +25,7 @@ from aenv.runtime import (
     BootError,
     ControlError,
     Drive,
+    MachineRecordError,
     NotSupportedError,
     RestoreOverrides,
     VMExitedError,
@@ -36,6 +38,7 @@ from aenv.runtime import firecracker_snapshot as fcsnap
 from aenv.runtime import workdir as wd
 from aenv.runtime.base import SnapshotError
 from aenv.runtime.firecracker import FirecrackerRuntime, FirecrackerVM
+from aenv.runtime.firecracker_snapshot import FirecrackerMachine
 from aenv.runtime.kvm import AccelChoice
 from aenv.storage import snapshots
 from tests.runtime.firecracker_contract import FakeFirecracker, check_request
@@ -510,7 +513,7 @@ async def test_restore_loads_the_snapshot_in_a_new_process_with_the_new_tap(
     assert (workdir / "rootfs.raw").read_bytes()[:7] == b"root-v1"
     assert (workdir / "data.raw").resolve() == host_files["data"].resolve()
     assert (workdir / wd.CONSOLE).resolve() == console.resolve()
-    assert clone.machine["network"]["host_dev_name"] == "tap7"
+    assert clone.machine.network is not None and clone.machine.network.host_dev_name == "tap7"
 
 
 async def test_restore_uses_a_drive_override_in_place_of_the_snapshots_copy(
@@ -580,6 +583,40 @@ async def test_restore_refuses_a_snapshot_of_another_driver(tmp_path, fake) -> N
     with pytest.raises(SnapshotError, match="qemu driver"):
         await runtime().restore(snap, RestoreOverrides("c", tmp_path / "c"))
     assert fake.starts() == []
+
+
+async def test_restore_refuses_a_machine_record_of_an_unknown_version(tmp_path, fake, host_files,
+                                                                   vms) -> None:
+    vm = await boot(runtime(), make_spec(tmp_path, host_files), vms)
+    snap = tmp_path / "snaps" / "s1"
+    await vm.snapshot(snap)
+    raw = json.loads((snap / snapshots.MANIFEST).read_text())
+    assert raw["vm"]["version"] == FirecrackerMachine.VERSION
+    raw["vm"]["version"] = FirecrackerMachine.VERSION + 1
+    (snap / snapshots.MANIFEST).write_text(json.dumps(raw))
+    with pytest.raises(MachineRecordError, match="version 2; this aenv reads version 1"):
+        await runtime().restore(snap, RestoreOverrides("c", tmp_path / "vms" / "c"))
+    assert len(fake.starts()) == 1
+
+
+async def test_a_machine_record_without_a_version_still_restores_and_attaches(
+        tmp_path, fake, host_files, vms) -> None:
+    """Records written before they had a version are version 1."""
+    vm = await boot(runtime(), make_spec(tmp_path, host_files), vms)
+    snap = tmp_path / "snaps" / "s1"
+    await vm.snapshot(snap)
+    for path, key in ((snap / snapshots.MANIFEST, "vm"), (vm.workdir / wd.MANIFEST, "machine")):
+        raw = json.loads(path.read_text())
+        del raw[key]["version"]
+        path.write_text(json.dumps(raw))
+    clone = await runtime().restore(snap, RestoreOverrides("c", tmp_path / "vms" / "c"))
+    vms.append(clone)
+    assert clone.machine == vm.machine
+    await vm.detach()
+    again = await runtime().attach(vm.workdir)
+    assert again.machine == vm.machine
+    await again.stop(timeout=2)
+    await vm.wait()  # reap our child
 
 
 # -- doctor ---------------------------------------------------------------------------------
