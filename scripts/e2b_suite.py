@@ -730,7 +730,7 @@ def report(results: list[SuiteResult], reasons: dict[str, str], known: list[Know
         env_fail: dict[str, list[tuple[Case, Known]]] = {}
         aenv_fail: list[Case] = []
         failed_by: dict[int, int] = {}  # entry -> failures it explained
-        passed_by: dict[int, list[str]] = {}  # entry -> tests it matched that passed
+        passed_by: dict[int, list[tuple[str, str]]] = {}  # entry -> (test, reason) passed
         for c in res.cases:
             k = match_known(c, known)
             if c.status == "failed":
@@ -740,8 +740,9 @@ def report(results: list[SuiteResult], reasons: dict[str, str], known: list[Know
                 else:
                     aenv_fail.append(c)
             elif c.status == "passed" and k:
-                passed_by.setdefault(id(k), []).append(c.id)
-        # An entry whose tests all passed is stale (an aenv fix, or a change of the suite).
+                passed_by.setdefault(id(k), []).append((c.id, k.reason))
+        # An entry whose tests all passed is stale (an aenv fix, or a change of the suite),
+        # unless its reason is timing: a slow-host test passes when the machine is quieter.
         passed_known = [t for key, ids in passed_by.items() if key not in failed_by
                         for t in ids]
         aenv_count += len(aenv_fail)
@@ -766,9 +767,9 @@ def report(results: list[SuiteResult], reasons: dict[str, str], known: list[Know
             print(f"  {c.id}\n      {first_line(c.message)}")
         if passed_known:
             print(f"\n== {res.suite}: listed as environment failures but passed "
-                  f"(remove from {KNOWN_FILE.name}?) ==")
-            for tid in passed_known:
-                print(f"  {tid}")
+                  f"(remove from {KNOWN_FILE.name}?; slow-host ones depend on the load) ==")
+            for tid, reason in passed_known:
+                print(f"  {tid}  [{reason}]")
         summary["suites"][res.suite] = {
             "totals": totals, "seconds": round(res.seconds, 1), "returncode": res.returncode,
             "note": res.note, "files": per_file,
@@ -777,7 +778,7 @@ def report(results: list[SuiteResult], reasons: dict[str, str], known: list[Know
                                          for c, k in items] for r, items in env_fail.items()},
             "aenv_failures": [{"id": c.id, "first_line": first_line(c.message)}
                               for c in aenv_fail],
-            "known_but_passed": passed_known,
+            "known_but_passed": [{"id": t, "reason": r} for t, r in passed_known],
         }
     mode = meta.get("mode", "plain-url")
     print(f"\n== totals ({mode} mode" + (f", {meta['domain']}" if meta.get("domain") else "")
