@@ -3,6 +3,8 @@
 ``Machines`` makes and unmakes the VM behind a sandbox record — network slot, disk, VMM,
 envd ready and initialised. The orchestrator calls it under the sandbox's lock and records
 the result; tests of the lifecycle can stand in a fake here without touching the host.
+``NodeMachines`` (``node``) is the implementation with real VMs. (A "machine record" in
+``aenv.runtime`` is something else: the shape of one VM, kept in its ``vm.json``.)
 """
 
 from __future__ import annotations

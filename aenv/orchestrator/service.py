@@ -324,14 +324,14 @@ class Orchestrator:
             src = self.get(sandbox_id)
         timer.mark("capture")
         # The children start from the capture; the template is only their family name.
-        image = fork_source(src, self.templates.get(src.template_id), ref)
+        source = fork_source(src, self.templates.get(src.template_id), ref)
         ttl = timeout if timeout is not None else max(int(src.end_at - src.started_at), 1)
         # Checked again now that the capture is done, with no await until the inserts.
         self._check_capacity(count, starts=False)
         self.admission.check_start(Ask(src.cpu_count, src.memory_mb, count=count))
         children = []
         for _ in range(count):
-            child = self._new_record(image, CreateOptions(
+            child = self._new_record(source, CreateOptions(
                 template=src.template_id, timeout=ttl, metadata=src.metadata,
                 env_vars=src.env_vars, secure=src.secure, auto_pause=src.auto_pause,
                 auto_pause_memory=src.auto_pause_memory, auto_resume=src.auto_resume,
@@ -340,7 +340,7 @@ class Orchestrator:
             self.sandboxes.insert(child)
             children.append(child)
         timer.skip()  # the children's records are no phase
-        results = await asyncio.gather(*(self._start(c, image, ttl) for c in children),
+        results = await asyncio.gather(*(self._start(c, source, ttl) for c in children),
                                        return_exceptions=True)
         timer.mark("children")
         record_phases("fork", timer.phases)
@@ -545,10 +545,10 @@ class Orchestrator:
                                        cold=rec.pause_mode == "filesystem"))
         if not self.sandboxes.transition(rec.id, [SandboxState.PAUSED], SandboxState.RESUMING):
             raise Conflict(f"sandbox '{rec.id}' changed state")
-        image = resume_source(rec, self.templates.get(rec.template_id))
+        source = resume_source(rec, self.templates.get(rec.template_id))
         timer = PhaseTimer(self.clock)
         try:
-            placement = await self.machines.start(rec, image)
+            placement = await self.machines.start(rec, source)
         except Exception:
             self.sandboxes.transition(rec.id, [SandboxState.RESUMING], SandboxState.PAUSED)
             raise

@@ -1,9 +1,14 @@
-"""Read-only image layers made from sandbox disks (template builds commit one each).
+"""Read-only disk layers made from sandbox disks (template builds commit one each, on a node
+that cannot snapshot VMs).
 
-A layer is the copy-on-write disk of a stopped build VM, moved — not copied — into
+A disk layer is the copy-on-write disk of a stopped build VM, moved — not copied — into
 ``Settings.layers_dir``: a qcow2 overlay whose backing chain ends at a base image, or a
 reflink clone (raw) where the data directory supports it. New sandboxes get a disk over the
-layer exactly as over a base image. Layers are never written again.
+layer exactly as over a base image. Layers are never written again. A template names one
+as ``layer:<id>`` (``image_ref``).
+
+Not to be confused with the tar layers an image is built from (``tar_layers``) or the
+memory layers of a VM snapshot (``snapshots``).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ class LayerError(StorageError):
 
 
 @dataclass(frozen=True)
-class Layer:
+class DiskLayer:
     id: str
     path: Path
     format: LayerFormat
@@ -37,7 +42,7 @@ class Layer:
         return str(ImageRef.layer(self.id))
 
 
-def commit(disk: Disk, directory: Path, layer_id: str) -> Layer:
+def commit(disk: Disk, directory: Path, layer_id: str) -> DiskLayer:
     """Move ``disk`` (its VM stopped) into the layer store and freeze it; durable on
     return (data, metadata and the directory entries fsynced)."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -49,7 +54,7 @@ def commit(disk: Disk, directory: Path, layer_id: str) -> Layer:
     durable.fsync_file(dest)
     meta = {"id": layer_id, "format": disk.format, "base": str(disk.base)}
     durable.write_atomic(directory / f"{layer_id}.json", json.dumps(meta).encode())
-    return Layer(layer_id, dest, disk.format)
+    return DiskLayer(layer_id, dest, disk.format)
 
 
 def layer_id(ref: str | ImageRef) -> str:
@@ -60,7 +65,7 @@ def layer_id(ref: str | ImageRef) -> str:
     return parsed.id
 
 
-def resolve(ref: str | ImageRef, directory: Path) -> Layer:
+def resolve(ref: str | ImageRef, directory: Path) -> DiskLayer:
     """The layer a template's ``image`` reference names."""
     parsed = _parse(ref)
     if not parsed.is_layer:
@@ -69,7 +74,7 @@ def resolve(ref: str | ImageRef, directory: Path) -> Layer:
     for fmt in ("qcow2", "raw"):
         path = directory / f"{layer_id}.{fmt}"
         if path.exists():
-            return Layer(layer_id, path, fmt)  # type: ignore[arg-type]
+            return DiskLayer(layer_id, path, fmt)  # type: ignore[arg-type]
     raise LayerError(f"layer {layer_id} is missing from {directory}")
 
 

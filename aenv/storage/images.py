@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ..config import Settings
 from ..guest import base as recipe
-from . import debian, ext4, layers, oci
+from . import debian, ext4, oci, tar_layers
 from ._fsutil import build_lock, scratch, staging
 from ._run import run
 from .errors import ImageError
@@ -119,12 +119,12 @@ def build_image(
         if kind == "dir":
             _copy_tree(source, tree)
         elif kind == "tar":
-            layers.apply_layer(tree, source)
+            tar_layers.apply_layer(tree, source)
         else:
             with oci.open_image(source, scratch=settings.cache_dir / "tmp") as image:
                 for i, layer in enumerate(image.layers, 1):
                     say(f"applying layer {i}/{len(image.layers)}")
-                    layers.apply_layer(tree, layer, whiteouts=True)
+                    tar_layers.apply_layer(tree, layer, whiteouts=True)
 
     return _build(
         settings, name, digest, populate, kernel_flavor=kernel_flavor, kernel=kernel,
@@ -395,7 +395,7 @@ def _node_wheel(settings: Settings, progress: ProgressFn) -> Path:
 def _install_node(tree: Path, wheel: Path, dist: recipe.NodeDist) -> None:
     """Unpack ``dist.keep`` of the wheel's upstream layout to ``dist.prefix`` in ``tree``
     (owned by root, modes from the wheel), strip ``dist.strip`` and add ``dist.links``."""
-    prefix = Path(layers.resolve(tree, dist.prefix.lstrip("/")))
+    prefix = Path(tar_layers.resolve(tree, dist.prefix.lstrip("/")))
     with zipfile.ZipFile(wheel) as whl:
         for info in whl.infolist():
             rel = info.filename.removeprefix(dist.root)
@@ -434,14 +434,14 @@ def _install_guest_layer(
     settings: Settings, tree: Path, kernel: Kernel | None, progress: ProgressFn
 ) -> list[str]:
     """Add init, envd and (cloud) kernel modules to ``tree``; returns envd's packages."""
-    missing = [p for p in _PREREQUISITES if not os.path.lexists(layers.resolve(tree, p))]
-    if not os.path.isdir(layers.resolve(tree, f"usr/lib/python{recipe.GUEST_PYTHON}")):
+    missing = [p for p in _PREREQUISITES if not os.path.lexists(tar_layers.resolve(tree, p))]
+    if not os.path.isdir(tar_layers.resolve(tree, f"usr/lib/python{recipe.GUEST_PYTHON}")):
         missing.append(f"python{recipe.GUEST_PYTHON}")
     if missing:
         raise ImageError(f"the source lacks what aenv's guest layer needs: {', '.join(missing)}")
     progress("installing envd and its dependencies")
     site = _envd_site(settings, progress)
-    python_dir = Path(layers.resolve(tree, recipe.PYTHON_DIR.lstrip("/")))
+    python_dir = Path(tar_layers.resolve(tree, recipe.PYTHON_DIR.lstrip("/")))
     python_dir.parent.mkdir(parents=True, exist_ok=True)
     _copy_tree(site, python_dir)
     for host, guest in recipe.envd_sources():
@@ -450,7 +450,7 @@ def _install_guest_layer(
         _write(tree, f.path, f.data, f.mode)
     if kernel is not None and kernel.modules is not None:
         progress(f"adding modules of {kernel.version}")
-        modules = Path(layers.resolve(tree, "lib/modules")) / kernel.version
+        modules = Path(tar_layers.resolve(tree, "lib/modules")) / kernel.version
         shutil.rmtree(modules, ignore_errors=True)
         modules.parent.mkdir(parents=True, exist_ok=True)
         _copy_tree(kernel.modules, modules)
@@ -461,7 +461,7 @@ def _install_guest_layer(
 
 
 def _write(tree: Path, guest_path: str, data: bytes, mode: int) -> None:
-    path = Path(layers.resolve(tree, guest_path.lstrip("/"), follow_last=False))
+    path = Path(tar_layers.resolve(tree, guest_path.lstrip("/"), follow_last=False))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.unlink(missing_ok=True)
     path.write_bytes(data)

@@ -1,4 +1,5 @@
-"""Applying tar layers (rootfs tarballs, OCI/docker layers) onto a root directory.
+"""Applying tar layers (rootfs tarballs, OCI/docker layers) onto a root directory, as an image
+is built (``images``); not the disk layers a template build commits (``disk_layers``).
 
 Paths inside a layer are resolved as if ``root`` were ``/``: symlinks are followed, absolute
 ones re-rooted, and ``..`` never climbs above ``root``, so a hostile layer cannot write

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from aenv.storage.errors import LayerError
-from aenv.storage.layers import apply_layer
+from aenv.storage.tar_layers import apply_layer
 from tests.storage.layertools import layer
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="ownership needs root")
