@@ -20,7 +20,8 @@ Contract for every driver:
 - Operations a driver cannot do yet raise ``NotSupportedError`` (a ``NotImplementedError``).
 
 Snapshots (``VM.snapshot``, ``Runtime.restore``) — the contract the orchestrator builds pause,
-resume, fork and persistent snapshots on:
+resume, fork and persistent snapshots on (every driver captures through the one recipe of
+``aenv.runtime.snapshot_recipe``, which also makes its errors ``SnapshotError``):
 - A snapshot is a directory (layout: ``aenv.storage.snapshots``): device state, a memory
   layer, a layer per writable drive, and a manifest. It may reference files of the snapshot
   the VM was restored from (its parent); the chain is bounded by the driver, which

@@ -15,15 +15,17 @@ firecracker.sock`` starts there (cwd = working directory, inside the slot's netn
 ``PUT /entropy`` and ``PUT /actions InstanceStart``. Every path in a request is relative
 to the VMM's cwd, so the microVM state never names a sandbox's own directory.
 
-Snapshot: ``PATCH /vm Paused`` (if it ran), ``PUT /snapshot/create`` into a staging
-directory of ``aenv.storage.snapshots``, writable drives copied beside it while the vCPUs are
-still frozen (reflink where possible), then ``PATCH /vm Resumed`` (or the VMM is ended, for
-``stop``) and the manifest committed; ``aenv.runtime.firecracker_snapshot`` decides Full or
-Diff and is the one place that knows Firecracker's two files. Restore: a new process in a
-new working directory, the drives under their fixed names, then ``PUT /snapshot/load`` with
-the ``File`` memory backend (Firecracker maps the file ``MAP_PRIVATE``: pages are read lazily
-and copied on write, so VMs from one snapshot share its page cache), ``network_overrides``
-for the new tap and ``resume_vm``. Failures of either are ``SnapshotError``.
+Snapshot (the steps of ``FirecrackerCapture``, run by the shared recipe of
+``aenv.runtime.snapshot_recipe``): ``PATCH /vm Paused`` (if it ran), ``PUT /snapshot/create``
+into a staging directory of ``aenv.storage.snapshots``, writable drives copied beside it
+while the vCPUs are still frozen (reflink where possible), then ``PATCH /vm Resumed`` and the
+manifest committed (for ``stop``: the manifest committed, then the VMM ended);
+``aenv.runtime.firecracker_snapshot`` decides Full or Diff and is the one place that knows
+Firecracker's two files. Restore: a new process in a new working directory, the drives under
+their fixed names, then ``PUT /snapshot/load`` with the ``File`` memory backend (Firecracker
+maps the file ``MAP_PRIVATE``: pages are read lazily and copied on write, so VMs from one
+snapshot share its page cache), ``network_overrides`` for the new tap and ``resume_vm``.
+Failures of either are ``SnapshotError``.
 
 Stop: SIGTERM to the process group (Firecracker installs no SIGTERM handler, so it exits at
 once), SIGKILL after the timeout. ``SendCtrlAltDel`` is not used: it needs the guest's i8042
@@ -60,7 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from ..storage import snapshots
-from . import confine
+from . import confine, snapshot_recipe
 from . import firecracker_api as fc
 from . import firecracker_jail as fj
 from . import firecracker_snapshot as fcsnap
@@ -76,7 +78,6 @@ from .base import (
     Runtime,
     SnapshotError,
     SnapshotInfo,
-    VMError,
     VMExitedError,
     VMLimits,
     VMSpec,
@@ -86,6 +87,7 @@ from .confine import Confinement, Jail
 from .firecracker_snapshot import FirecrackerMachine
 from .kvm import AccelChoice, host_accel
 from .qemu_args import netns_path
+from .snapshot_recipe import Capture, Captured, CaptureSteps
 from .vmm_process import NotOurProcessError, VMMProcess
 
 log = logging.getLogger("aenv.runtime")
@@ -267,141 +269,16 @@ class FirecrackerVM(VM):
 
     async def snapshot(self, directory: Path, *, stop: bool = False,
                        incremental: bool = True) -> SnapshotInfo:
-        """Capture the VM into ``directory`` (see ``VM.snapshot``).
+        """Capture the VM into ``directory`` (see ``VM.snapshot``): the recipe of
+        ``aenv.runtime.snapshot_recipe`` with ``FirecrackerCapture``'s steps.
 
         A running VM is paused for the capture (``PATCH /vm``), then resumed, or ended with
         ``stop``; a VM the caller had paused stays paused. The vCPUs stay frozen until the
         writable drives are copied too, so disk and memory are of one moment.
         ``incremental`` asks for a Diff against the snapshot this VM last took or was
         restored from; ``firecracker_snapshot.plan`` decides when that is possible."""
-        t0 = time.monotonic()
-        phases: dict[str, float] = {}
-        parent_dir = self.memory_parent
-        parent = _readable_manifest(parent_dir)
-        was_running = False
-        staging: Path | None = None
-        try:
-            was_running = await self.status() == "Running"
-            staging = snapshots.begin(directory)
-            plan = await asyncio.to_thread(
-                fcsnap.plan, staging, parent, parent_dir, incremental=incremental,
-                track_dirty_pages=self.machine.track_dirty_pages)
-            t_freeze = time.monotonic()
-            if was_running:
-                await self._call(fc.patch_vm("Paused"))
-            phases["pause"] = time.monotonic() - t_freeze
-            # A successful create resets Firecracker's dirty log: until this snapshot is
-            # committed, no snapshot is a valid base for a diff.
-            self._set_memory_parent(None)
-            t = time.monotonic()
-            paths = await asyncio.to_thread(self._snapshot_paths, staging)
-            try:
-                await self._call(fc.create_snapshot(*paths, plan.snapshot_type),
-                                 timeout=SNAPSHOT_TIMEOUT)
-            except fc.FirecrackerAPIError:
-                self._set_memory_parent(parent_dir)  # a failed create changes nothing
-                raise
-            finally:
-                await asyncio.to_thread(self._snapshot_out, staging)
-            phases["create"] = time.monotonic() - t
-            t = time.monotonic()
-            drives, disk_bytes = await asyncio.to_thread(self._capture_drives, staging)
-            phases["drives"] = time.monotonic() - t
-            if was_running and not stop:
-                t = time.monotonic()
-                await self._call(fc.patch_vm("Resumed"))
-                phases["resume"] = time.monotonic() - t
-            t_thawed = time.monotonic()
-            layers = await asyncio.to_thread(fcsnap.finish_memory, plan, staging, directory)
-            memory_bytes = await asyncio.to_thread(fcsnap.written_bytes, plan, staging, layers)
-            manifest = snapshots.Manifest(
-                driver=fcsnap.DRIVER, vm=self.machine.to_json(),
-                memory_size=self.machine.memory_size, layers=layers, drives=drives,
-                parent=plan.parent,
-                sizes={"vmstate": (staging / fcsnap.VMSTATE).stat().st_size,
-                       "memory_written": memory_bytes, "disk_written": disk_bytes},
-                timings=phases)
-            snapshots.commit(staging, directory, manifest)
-            staging = None
-        except Exception as e:
-            if staging is not None:
-                snapshots.abort(staging)
-            raise await self._snapshot_failed(e, directory, resume=was_running) from e
-        except BaseException:
-            if staging is not None:
-                snapshots.abort(staging)
-            raise
-        self._set_memory_parent(directory)
-        if stop:
-            t = time.monotonic()
-            await self.stop()
-            phases["stop"] = time.monotonic() - t
-            t_thawed = time.monotonic()
-        info = SnapshotInfo(
-            directory=directory, parent=plan.parent, freeze_s=t_thawed - t_freeze,
-            total_s=time.monotonic() - t0, memory_bytes=memory_bytes,
-            memory_layers=len(layers), disk_bytes=disk_bytes, compacted=plan.compacted,
-            phases=phases)
-        log.info("snapshot %s -> %s (%s, %d layers, %d KiB memory) frozen %.0f ms of %.0f ms",
-                 self.vm_id, directory, plan.method, len(layers), memory_bytes >> 10,
-                 info.freeze_s * 1000, info.total_s * 1000,
-                 extra={"vm_id": self.vm_id, "op": "snapshot", "phase": plan.method,
-                        "duration": info.total_s})
-        return info
-
-    async def _snapshot_failed(self, error: Exception, directory: Path, *,
-                               resume: bool) -> SnapshotError:
-        """Put the VM back as it was (running, if it ran) and say what failed."""
-        lost = not self.is_alive()
-        if resume and not lost:
-            try:
-                await self._call(fc.patch_vm("Resumed"))
-            except VMError:
-                lost = not self.is_alive()
-        return SnapshotError(f"snapshot of {self.vm_id} into {directory} failed: {error}",
-                             vm_id=self.vm_id, vm_lost=lost,
-                             vmm_log_tail=wd.tail(self.workdir / wd.VMM_LOG))
-
-    def _snapshot_paths(self, staging: Path) -> tuple[str, str]:
-        """Where ``/snapshot/create`` writes, as Firecracker names it. Jailed, that is a
-        directory in its jail (a merged diff's clone of the parent memory moved in and
-        given to its uid first); ``_snapshot_out`` moves the files to ``staging``."""
-        if self._root == self.workdir:
-            return (_rel(staging / fcsnap.VMSTATE, self.workdir),
-                    _rel(staging / fcsnap.MEMORY, self.workdir))
-        inner = self._root / _JAIL_SNAPSHOT
-        shutil.rmtree(inner, ignore_errors=True)
-        inner.mkdir()
-        self.jail.give(inner, 0o700)
-        if (staging / fcsnap.MEMORY).exists():
-            fj.move_out(staging / fcsnap.MEMORY, inner / fcsnap.MEMORY)
-            self.jail.give(inner / fcsnap.MEMORY, 0o600)
-        return (f"{_JAIL_SNAPSHOT}/{fcsnap.VMSTATE}", f"{_JAIL_SNAPSHOT}/{fcsnap.MEMORY}")
-
-    def _snapshot_out(self, staging: Path) -> None:
-        if self._root == self.workdir:
-            return
-        inner = self._root / _JAIL_SNAPSHOT
-        for name in (fcsnap.VMSTATE, fcsnap.MEMORY):
-            if (inner / name).exists():
-                fj.move_out(inner / name, staging / name)
-                fj.take_back_shared(staging / name)
-        shutil.rmtree(inner, ignore_errors=True)
-
-    def _capture_drives(self, staging: Path) -> tuple[tuple[snapshots.DriveImage, ...], int]:
-        """Read-only drives are referenced where they are; writable ones are copied
-        (reflink where the filesystem can) as the snapshot's own file. Returns the images
-        and the bytes copied."""
-        images, copied = [], 0
-        for d in self.machine.drives:
-            name = f"{d.id}.raw"
-            host = (self.workdir / name).resolve()
-            if d.read_only:
-                images.append(snapshots.DriveImage(d.id, "raw", True, path=host))
-                continue
-            copied += fcsnap.clone(host, staging / name)[1]
-            images.append(snapshots.DriveImage(d.id, "raw", False, file=name))
-        return tuple(images), copied
+        return await snapshot_recipe.capture(FirecrackerCapture(self), directory, stop=stop,
+                                             incremental=incremental)
 
     def _set_memory_parent(self, parent: Path | None) -> None:
         self._record["memory_parent"] = str(parent) if parent else None
@@ -425,6 +302,153 @@ class FirecrackerVM(VM):
     async def detach(self) -> None:
         """Drop the API connection but leave the VMM running (server shutdown)."""
         await self._api.aclose()
+
+
+class FirecrackerCapture(CaptureSteps):
+    """``FirecrackerVM.snapshot`` as the steps of ``aenv.runtime.snapshot_recipe``.
+    Firecracker writes state and memory in one call (``PUT /snapshot/create``, in
+    ``save_state``); which layer the memory file becomes is sorted out after the thaw, in
+    ``commit``. ``phases``: ``pause``, ``create``, ``drives``, ``resume`` (when it ran
+    and goes on), ``stop`` (a pause: the VMM ended; ``freeze_s`` counts until then)."""
+
+    def __init__(self, vm: FirecrackerVM) -> None:
+        self.vm = vm
+        self.vm_id = vm.vm_id
+        self.workdir = vm.workdir
+        self.was_running = False
+
+    def is_alive(self) -> bool:
+        return self.vm.is_alive()
+
+    async def plan(self, c: Capture) -> None:
+        """Whether it runs; the staging directory; Full or Diff against the snapshot the
+        dirty-page log is relative to (a merged Diff clones the parent's memory now)."""
+        vm = self.vm
+        self.parent_dir = vm.memory_parent
+        parent = _readable_manifest(self.parent_dir)
+        self.was_running = await vm.status() == "Running"
+        self.staging = staging = snapshots.begin(c.directory)
+        c.undo.push("the staging directory", lambda: snapshots.abort(staging))
+        self.memory_plan = await asyncio.to_thread(
+            fcsnap.plan, staging, parent, self.parent_dir, incremental=c.incremental,
+            track_dirty_pages=vm.machine.track_dirty_pages)
+
+    async def freeze(self, c: Capture) -> None:
+        if self.was_running:
+            c.undo.push("the freeze", self._unfreeze)
+            await self.vm._call(fc.patch_vm("Paused"))
+        c.phases["pause"] = time.monotonic() - c.frozen_at
+
+    async def _unfreeze(self) -> None:
+        """The freeze's undo: the vCPUs run again, if the VMM is there."""
+        if self.vm.is_alive():
+            await self.vm._call(fc.patch_vm("Resumed"))
+
+    async def save_state(self, c: Capture) -> None:
+        """``PUT /snapshot/create``: microVM state and memory. A successful create resets
+        Firecracker's dirty log, so until this snapshot is committed no snapshot is a valid
+        base for a diff; a refused one changes nothing."""
+        vm = self.vm
+        vm._set_memory_parent(None)
+        t = time.monotonic()
+        paths = await asyncio.to_thread(self._paths, self.staging)
+        try:
+            await vm._call(fc.create_snapshot(*paths, self.memory_plan.snapshot_type),
+                           timeout=SNAPSHOT_TIMEOUT)
+        except fc.FirecrackerAPIError:
+            vm._set_memory_parent(self.parent_dir)
+            raise
+        finally:
+            await asyncio.to_thread(self._out_of_jail, self.staging)
+        c.phases["create"] = time.monotonic() - t
+
+    async def save_memory(self, c: Capture) -> None:
+        """Nothing: ``save_state``'s create wrote the memory file too."""
+
+    async def drives(self, c: Capture) -> None:
+        t = time.monotonic()
+        self.images, self.disk_bytes = await asyncio.to_thread(self._copy_drives,
+                                                               self.staging)
+        c.phases["drives"] = time.monotonic() - t
+
+    async def thaw(self, c: Capture) -> None:
+        if self.was_running and not c.stop:
+            t = time.monotonic()
+            await self.vm._call(fc.patch_vm("Resumed"))
+            c.undo.drop("the freeze")
+            c.phases["resume"] = time.monotonic() - t
+
+    async def commit(self, c: Capture) -> Captured:
+        """The layers the memory file makes (a diff layer's runs are read from its
+        extents), the bytes it wrote, the manifest and ``snapshots.commit``."""
+        vm, plan, staging = self.vm, self.memory_plan, self.staging
+        layers = await asyncio.to_thread(fcsnap.finish_memory, plan, staging, c.directory)
+        memory_bytes = await asyncio.to_thread(fcsnap.written_bytes, plan, staging, layers)
+        manifest = snapshots.Manifest(
+            driver=fcsnap.DRIVER, vm=vm.machine.to_json(), memory_size=vm.machine.memory_size,
+            layers=layers, drives=self.images, parent=plan.parent,
+            sizes={"vmstate": (staging / fcsnap.VMSTATE).stat().st_size,
+                   "memory_written": memory_bytes, "disk_written": self.disk_bytes},
+            timings=c.phases)
+        snapshots.commit(staging, c.directory, manifest)
+        return Captured(parent=plan.parent, memory_bytes=memory_bytes,
+                        memory_layers=len(layers), disk_bytes=self.disk_bytes,
+                        compacted=plan.compacted, method=plan.method)
+
+    async def finish(self, c: Capture) -> None:
+        """The dirty log is relative to this snapshot now; a pause ends the VMM, frozen
+        until it is gone."""
+        self.vm._set_memory_parent(c.directory)
+        if c.stop:
+            c.vmm_stopped = True
+            t = time.monotonic()
+            await self.vm.stop()
+            c.phases["stop"] = time.monotonic() - t
+            c.thawed_at = time.monotonic()
+
+    def _paths(self, staging: Path) -> tuple[str, str]:
+        """Where ``/snapshot/create`` writes, as Firecracker names it. Jailed, that is a
+        directory in its jail (a merged diff's clone of the parent memory moved in and
+        given to its uid first); ``_out_of_jail`` moves the files to ``staging``."""
+        vm = self.vm
+        if vm._root == vm.workdir:
+            return (_rel(staging / fcsnap.VMSTATE, vm.workdir),
+                    _rel(staging / fcsnap.MEMORY, vm.workdir))
+        inner = vm._root / _JAIL_SNAPSHOT
+        shutil.rmtree(inner, ignore_errors=True)
+        inner.mkdir()
+        vm.jail.give(inner, 0o700)
+        if (staging / fcsnap.MEMORY).exists():
+            fj.move_out(staging / fcsnap.MEMORY, inner / fcsnap.MEMORY)
+            vm.jail.give(inner / fcsnap.MEMORY, 0o600)
+        return (f"{_JAIL_SNAPSHOT}/{fcsnap.VMSTATE}", f"{_JAIL_SNAPSHOT}/{fcsnap.MEMORY}")
+
+    def _out_of_jail(self, staging: Path) -> None:
+        """The files a jailed create wrote, moved to ``staging`` and given back to root."""
+        vm = self.vm
+        if vm._root == vm.workdir:
+            return
+        inner = vm._root / _JAIL_SNAPSHOT
+        for name in (fcsnap.VMSTATE, fcsnap.MEMORY):
+            if (inner / name).exists():
+                fj.move_out(inner / name, staging / name)
+                fj.take_back_shared(staging / name)
+        shutil.rmtree(inner, ignore_errors=True)
+
+    def _copy_drives(self, staging: Path) -> tuple[tuple[snapshots.DriveImage, ...], int]:
+        """Read-only drives are referenced where they are; writable ones are copied
+        (reflink where the filesystem can) as the snapshot's own file. Returns the images
+        and the bytes copied."""
+        images, copied = [], 0
+        for d in self.vm.machine.drives:
+            name = f"{d.id}.raw"
+            host = (self.vm.workdir / name).resolve()
+            if d.read_only:
+                images.append(snapshots.DriveImage(d.id, "raw", True, path=host))
+                continue
+            copied += fcsnap.clone(host, staging / name)[1]
+            images.append(snapshots.DriveImage(d.id, "raw", False, file=name))
+        return tuple(images), copied
 
 
 class FirecrackerRuntime(Runtime):

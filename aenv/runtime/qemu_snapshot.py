@@ -1,5 +1,8 @@
 """The QEMU driver's snapshots: what ``QemuVM.snapshot`` writes and ``QemuRuntime.restore``
-reads, in the directory layout of ``aenv.storage.snapshots``. The format lives here only.
+reads, in the directory layout of ``aenv.storage.snapshots``. The format lives here only:
+the capture's steps (``QemuCapture``, run by the shared recipe of
+``aenv.runtime.snapshot_recipe``), the machine record (``QemuMachine``) and the restore's
+plan.
 
 Device state: ``xen-save-devices-state`` (QEMU 7.2 has no ``mapped-ram`` and no ``file:``
 migration). It writes every device's state and *no RAM*, whatever the RAM backend, in ~2 ms
@@ -80,7 +83,7 @@ from ..storage import snapshots as snap
 from ..storage.disks import DiskError, create_disk, reflink
 from ..storage.errors import StorageError
 from . import guest_memory as gm
-from . import machine_record
+from . import machine_record, snapshot_recipe
 from . import workdir as wd
 from .base import (
     Accel,
@@ -95,6 +98,7 @@ from .base import (
     VMSpec,
 )
 from .confine import Jail
+from .snapshot_recipe import Capture, Captured, CaptureSteps
 
 if TYPE_CHECKING:
     from .qemu import QemuVM
@@ -299,6 +303,8 @@ class _MemoryResult:
     written: int  # bytes this snapshot wrote
     compacted: bool = False
     phases: dict[str, float] = field(default_factory=dict)
+    # copy: of a booted VM's RAM file; full, diff: a restored VM's new layer; none: unchanged
+    method: str = "copy"
 
 
 def _capture_shared(workdir: Path, staging: Path) -> _MemoryResult:
@@ -374,13 +380,13 @@ def _capture_private(pid: int, workdir: Path, staging: Path, parent: snap.Manife
     phases["copy"] = time.monotonic() - t
     written = writer.pages * PAGE
     if full:
-        return _MemoryResult((layer,), written, True, phases)
+        return _MemoryResult((layer,), written, True, phases, "full")
     base = (layers[0],) if compact else layers
     if layer.pages == 0:
         (staging / snap.MEMORY).unlink()
         (staging / snap.MEMORY_RUNS).unlink()
-        return _MemoryResult(base, 0, compact, phases)
-    return _MemoryResult((*base, layer), written, compact, phases)
+        return _MemoryResult(base, 0, compact, phases, "none")
+    return _MemoryResult((*base, layer), written, compact, phases, "diff")
 
 
 async def _switch_drive(vm: QemuVM, p: _DrivePlan, staging: Path) -> None:
@@ -463,130 +469,148 @@ def _flatten(p: _DrivePlan, staging: Path, *, shared: bool) -> None:
     p.chain = ()
 
 
-async def capture(vm: QemuVM, directory: Path, *, stop: bool, incremental: bool,
-                  max_chain: int) -> SnapshotInfo:
-    """``QemuVM.snapshot``: see ``aenv.runtime.base.VM.snapshot`` and the module docstring."""
-    t0 = time.monotonic()
-    phases: dict[str, float] = {}
-    machine = read_machine(vm.workdir)
-    if not machine.memory_file:
-        raise NotSupportedError("snapshots need guest RAM in a file (VMSpec.memory_file)",
+class QemuCapture(CaptureSteps):
+    """``QemuVM.snapshot`` as the steps of ``aenv.runtime.snapshot_recipe`` (what each one
+    does to memory and drives: the module docstring). ``phases``: ``plan``;
+    ``device_state`` and ``memory``, seconds after the freeze began; ``frozen``; ``drives``,
+    the chain compaction after the thaw; ``memory_scan``, ``memory_prepare`` and
+    ``memory_copy`` for a restored VM. A pause (``stop``) stays frozen from ``freeze`` until
+    its VMM quits in ``finish``; ``freeze_s`` counts until the capture was complete."""
+
+    def __init__(self, vm: QemuVM, max_chain: int) -> None:
+        self.vm = vm
+        self.vm_id = vm.vm_id
+        self.workdir = vm.workdir
+        self.max_chain = max_chain
+        self.was_running = False
+
+    def is_alive(self) -> bool:
+        return self.vm.is_alive()
+
+    async def plan(self, c: Capture) -> None:
+        """The machine record, lineage and parent manifest; the staging directory; each
+        drive's plan, with the overlays a running VM switches to made now (qemu-img takes
+        ~20 ms a call); whether the vCPUs run."""
+        vm = self.vm
+        self.machine = read_machine(vm.workdir)
+        if not self.machine.memory_file:
+            raise NotSupportedError("snapshots need guest RAM in a file (VMSpec.memory_file)",
+                                    vm_id=vm.vm_id)
+        self.lineage = Lineage.load(vm.workdir, self.machine)
+        self.parent = snap.read_manifest(self.lineage.parent) if self.lineage.parent else None
+        if self.lineage.memory == "private" and self.parent is None:
+            raise SnapshotError(f"{vm.vm_id} was restored but its snapshot is gone",
                                 vm_id=vm.vm_id)
-    lineage = Lineage.load(vm.workdir, machine)
-    try:
-        parent = snap.read_manifest(lineage.parent) if lineage.parent else None
-        staging = snap.begin(directory)
-    except StorageError as e:
-        raise SnapshotError(f"cannot snapshot {vm.vm_id}: {e}", vm_id=vm.vm_id) from e
-    if lineage.memory == "private" and parent is None:
-        raise SnapshotError(f"{vm.vm_id} was restored but its snapshot is gone", vm_id=vm.vm_id)
-    vm_lost = False
-    was_running = False
-    try:
-        plans = await asyncio.to_thread(_plan_drives, vm.workdir, machine, lineage, parent,
-                                        directory, stop=stop, incremental=incremental,
-                                        max_chain=max_chain, jail=vm.jail)
-        phases["plan"] = time.monotonic() - t0
-        was_running = await vm.status() == "running"
-        t_stop = time.monotonic()
-        if was_running:
-            await vm.execute("stop")
-        mem: _MemoryResult | None = None
-        try:
-            await _save_device_state(vm, staging / snap.DEVICE_STATE)
-            phases["device_state"] = time.monotonic() - t_stop
-            if lineage.memory == "private":
-                assert parent is not None
-                mem = await asyncio.to_thread(_capture_private, vm.pid, vm.workdir, staging,
-                                              parent, incremental=incremental,
-                                              max_chain=max_chain)
-            elif not stop:
-                mem = await asyncio.to_thread(_capture_shared, vm.workdir, staging)
-            phases["memory"] = time.monotonic() - t_stop
-            if not stop:
-                for p in plans:
-                    if not p.read_only:
-                        await _switch_drive(vm, p, staging)
-        except BaseException:
-            if was_running and not stop and vm.is_alive():
-                await vm.execute("cont")
-            raise
-        if stop:
-            # Everything is captured while the VMM still holds the VM, which ends only
-            # after the commit: a crash before then leaves a frozen VM to re-attach and
-            # a partial directory nobody reads.
-            if mem is None:
-                mem = await asyncio.to_thread(_capture_shared, vm.workdir, staging)
-            for p in plans:
-                if not p.read_only:
-                    await asyncio.to_thread(_take_drive, p, staging)
-            t_thaw = time.monotonic()
+        self.staging = staging = snap.begin(c.directory)
+        c.undo.push("the staging directory", lambda: snap.abort(staging))
+        self.plans = await asyncio.to_thread(
+            _plan_drives, vm.workdir, self.machine, self.lineage, self.parent, c.directory,
+            stop=c.stop, incremental=c.incremental, max_chain=self.max_chain, jail=vm.jail)
+        c.phases["plan"] = time.monotonic() - c.started_at
+        self.was_running = await vm.status() == "running"
+
+    async def freeze(self, c: Capture) -> None:
+        """QMP ``stop`` when the vCPUs run (``stop`` also flushes the image format's
+        metadata into the drive files)."""
+        if self.was_running:
+            c.undo.push("the freeze", self._unfreeze)
+            await self.vm.execute("stop")
+
+    async def _unfreeze(self) -> None:
+        """The freeze's undo: the vCPUs run again, if the VMM is there and still stopped."""
+        if self.vm.is_alive() and await _frozen(self.vm):
+            await self.vm.execute("cont")
+
+    async def save_state(self, c: Capture) -> None:
+        await _save_device_state(self.vm, self.staging / snap.DEVICE_STATE)
+        c.phases["device_state"] = time.monotonic() - c.frozen_at
+
+    async def save_memory(self, c: Capture) -> None:
+        """A restored VM: the pages it wrote, against its parent's stack; a booted one: a
+        sparse copy of its RAM file."""
+        vm = self.vm
+        if self.lineage.memory == "private":
+            assert self.parent is not None
+            self.mem = await asyncio.to_thread(
+                _capture_private, vm.pid, vm.workdir, self.staging, self.parent,
+                incremental=c.incremental, max_chain=self.max_chain)
         else:
-            if was_running:
-                await vm.execute("cont")
-            t_thaw = time.monotonic()
-        phases["frozen"] = t_thaw - t_stop
-        for p in plans:
+            self.mem = await asyncio.to_thread(_capture_shared, vm.workdir, self.staging)
+        c.phases["memory"] = time.monotonic() - c.frozen_at
+
+    async def drives(self, c: Capture) -> None:
+        """A pause links each writable top into the snapshot (the VM's own name goes in
+        ``finish``); a running snapshot switches the VM onto its new overlay."""
+        for p in self.plans:
+            if p.read_only:
+                continue
+            if c.stop:
+                await asyncio.to_thread(_take_drive, p, self.staging)
+            else:
+                await _switch_drive(self.vm, p, self.staging)
+
+    async def thaw(self, c: Capture) -> None:
+        if self.was_running and not c.stop:
+            await self.vm.execute("cont")
+            c.undo.drop("the freeze")
+
+    async def commit(self, c: Capture) -> Captured:
+        """Compact the drive chains that grew too deep (off the freeze: O(data in the
+        chain)), then the manifest and ``snapshots.commit``."""
+        c.phases["frozen"] = c.thawed_at - c.frozen_at
+        for p in self.plans:
             if p.flatten:
                 try:
-                    await asyncio.to_thread(_flatten, p, staging, shared=True)
+                    await asyncio.to_thread(_flatten, p, self.staging, shared=True)
                 except StorageError as e:
                     # The VM may already run on an overlay that names this snapshot's
                     # file: keep the snapshot, one layer deeper than the limit.
                     log.warning("snapshot %s: compacting drive %s failed, kept as is: %s",
-                                directory, p.id, e, extra={"vm_id": vm.vm_id})
+                                c.directory, p.id, e, extra={"vm_id": self.vm_id})
                     p.flatten = False
-        phases["drives"] = time.monotonic() - t_thaw
-        assert mem is not None
+        c.phases["drives"] = time.monotonic() - c.thawed_at
+        mem, staging = self.mem, self.staging
         sizes = {
             "device_state": snap.allocated(staging / snap.DEVICE_STATE),
             "memory": snap.allocated(staging / snap.MEMORY),
-            "disks": sum(snap.allocated(staging / p.file) for p in plans if p.file),
+            "disks": sum(snap.allocated(staging / p.file) for p in self.plans if p.file),
         }
-        phases.update({f"memory_{k}": v for k, v in mem.phases.items()})
+        c.phases.update({f"memory_{k}": v for k, v in mem.phases.items()})
         manifest = snap.Manifest(
-            driver=DRIVER, vm=machine.to_json(), memory_size=machine.memory_size,
-            layers=tuple(_relocate(la, staging, directory) for la in mem.layers),
-            drives=tuple(p.image() for p in plans), parent=lineage.parent,
-            sizes=sizes, timings=phases)
-        snap.commit(staging, directory, manifest)
-        if stop:
-            vm_lost = True
-            await vm.stop()
-            for p in plans:
+            driver=DRIVER, vm=self.machine.to_json(), memory_size=self.machine.memory_size,
+            layers=tuple(_relocate(la, staging, c.directory) for la in mem.layers),
+            drives=tuple(p.image() for p in self.plans), parent=self.lineage.parent,
+            sizes=sizes, timings=c.phases)
+        snap.commit(staging, c.directory, manifest)
+        return Captured(parent=manifest.parent, memory_bytes=mem.written,
+                        memory_layers=len(manifest.layers), disk_bytes=sizes["disks"],
+                        compacted=mem.compacted or any(p.flatten for p in self.plans),
+                        method=mem.method)
+
+    async def finish(self, c: Capture) -> None:
+        """A pause: the VMM quits, then the VM's own names of the drive tops it moved into
+        the snapshot go (a crash before this leaves a frozen VM to re-attach). A running
+        VM: the lineage names the snapshot and the overlays it runs on now."""
+        if c.stop:
+            c.vmm_stopped = True
+            await self.vm.stop()
+            for p in self.plans:
                 if not p.read_only and p.top is not None:
                     p.top.unlink(missing_ok=True)
-    except BaseException as e:
-        snap.abort(staging)
-        if stop and was_running and not vm_lost and vm.is_alive() and await _frozen(vm):
-            # A pause that failed before its commit gives the VM back as it was.
-            await vm.execute("cont")
-        if isinstance(e, (StorageError, OSError)):
-            raise SnapshotError(f"snapshot of {vm.vm_id} failed: {e}", vm_id=vm.vm_id,
-                                vm_lost=vm_lost) from e
-        if isinstance(e, (SnapshotError, NotSupportedError)) or not isinstance(e, VMError):
-            raise
-        raise SnapshotError(f"snapshot of {vm.vm_id} failed: {e}", vm_id=vm.vm_id,
-                            vm_lost=vm_lost or not vm.is_alive()) from e
-    if not stop:
-        lineage.parent = directory
-        for p in plans:
+            return
+        self.lineage.parent = c.directory
+        for p in self.plans:
             if p.new_top is not None:
-                lineage.tops[p.id] = p.new_top
-        lineage.generation += 1
-        lineage.save(vm.workdir)
-    total = time.monotonic() - t0
-    info = SnapshotInfo(
-        directory=directory, parent=manifest.parent, freeze_s=phases["frozen"], total_s=total,
-        memory_bytes=mem.written, memory_layers=len(manifest.layers),
-        disk_bytes=sizes["disks"], compacted=mem.compacted or any(p.flatten for p in plans),
-        phases=phases)
-    log.info("snapshot %s -> %s: frozen %.0f ms, total %.0f ms, memory %d KiB in %d layers",
-             vm.vm_id, directory, info.freeze_s * 1000, total * 1000, mem.written >> 10,
-             info.memory_layers,
-             extra={"vm_id": vm.vm_id, "op": "snapshot", "duration": total,
-                    "freeze": info.freeze_s, "stop": stop})
-    return info
+                self.lineage.tops[p.id] = p.new_top
+        self.lineage.generation += 1
+        self.lineage.save(self.vm.workdir)
+
+
+async def capture(vm: QemuVM, directory: Path, *, stop: bool, incremental: bool,
+                  max_chain: int) -> SnapshotInfo:
+    """``QemuVM.snapshot``: see ``aenv.runtime.base.VM.snapshot`` and the module docstring."""
+    return await snapshot_recipe.capture(QemuCapture(vm, max_chain), directory, stop=stop,
+                                         incremental=incremental)
 
 
 def _relocate(layer: snap.MemoryLayer, staging: Path, directory: Path) -> snap.MemoryLayer:
