@@ -4,6 +4,7 @@ own, since it crashes it."""
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 import time
 
@@ -64,19 +65,38 @@ def _partials(srv) -> list[str]:
     return [p.name for p in d.iterdir() if ".partial-" in p.name] if d.is_dir() else []
 
 
+def _stored_states(srv) -> dict[str, str]:
+    """Every sandbox's state as the server's database holds it (read-only, beside it)."""
+    db = sqlite3.connect(f"file:{srv.home / 'aenv.db'}?mode=ro", uri=True, timeout=5)
+    try:
+        return dict(db.execute("SELECT id, state FROM sandboxes").fetchall())
+    finally:
+        db.close()
+
+
+def _crash_when(srv, condition, what: str, timeout: float = 120) -> None:
+    """``kill -9`` the server the moment ``condition()`` holds (polled every 2 ms), then
+    check it still held: the database and the snapshot directory stop with the server, so
+    the crash landed in that phase whatever the host's speed."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert srv.proc.poll() is None, srv.log_tail()
+        assert time.monotonic() < deadline, f"never saw {what}"
+        time.sleep(0.002)
+    srv.kill9()
+    assert condition(), f"{what} was over before the crash"
+
+
 def test_a_crash_during_pause_leaves_the_sandbox_running_or_cleanly_paused(crashable) -> None:
     srv = crashable
     sbx = Sandbox.create("base")
     sbx.files.write("/home/user/keep.txt", "kept")
-    # Dirty 200 MiB so the pause takes long enough to be interrupted.
+    # 200 MiB of dirty memory: the capture has plenty to write while the crash lands.
     sbx.commands.run("head -c 200M /dev/urandom > /dev/shm/ballast", timeout=120)
-    done = threading.Event()
-    pausing = threading.Thread(target=lambda: (_swallow(sbx.pause), done.set()), daemon=True)
+    pausing = threading.Thread(target=lambda: _swallow(sbx.pause), daemon=True)
     pausing.start()
-    time.sleep(0.15)
-    finished_before_the_crash = done.is_set()
-    srv.kill9()
-    assert not finished_before_the_crash, "the pause was too quick to be interrupted"
+    _crash_when(srv, lambda: _stored_states(srv).get(sbx.sandbox_id) == "pausing"
+                and bool(_partials(srv)), "the pause writing its snapshot")
     pausing.join(30)
     srv.start()
 
@@ -88,18 +108,25 @@ def test_a_crash_during_pause_leaves_the_sandbox_running_or_cleanly_paused(crash
     again.kill()
 
 
-def test_a_crash_during_fork_keeps_the_source_and_leaks_nothing(crashable) -> None:
+@pytest.mark.parametrize("phase", ["capture", "children"])
+def test_a_crash_during_fork_keeps_the_source_and_leaks_nothing(crashable, phase) -> None:
+    """The crash lands while the source is captured (``forking``, a snapshot half written)
+    or while the children start from the capture (their records ``creating``)."""
     srv = crashable
     src = Sandbox.create("base")
     src.files.write("/home/user/src.txt", "source")
-    done = threading.Event()
-    forking = threading.Thread(
-        target=lambda: (_swallow(lambda: src.fork(count=4)), done.set()), daemon=True)
+
+    def in_phase() -> bool:
+        states = _stored_states(srv)
+        if phase == "capture":
+            return states.get(src.sandbox_id) == "forking" and bool(_partials(srv))
+        return any(s == "creating" for sid, s in states.items() if sid != src.sandbox_id)
+
+    forking = threading.Thread(target=lambda: _swallow(lambda: src.fork(count=4)),
+                               daemon=True)
     forking.start()
-    time.sleep(0.3)
-    finished_before_the_crash = done.is_set()
-    srv.kill9()
-    assert not finished_before_the_crash, "the fork was too quick to be interrupted"
+    _crash_when(srv, in_phase, {"capture": "the fork's capture",
+                                "children": "the children's start"}[phase])
     forking.join(30)
     srv.start()
 
