@@ -109,6 +109,7 @@ def test_shell_exits_with_the_shells_status(terminal: Terminal) -> None:
     assert terminal.wait() == 7
 
 
+@pytest.mark.slow
 def test_shell_has_the_local_window_size_and_follows_changes(terminal: Terminal) -> None:
     terminal.expect(PROMPT)
     terminal.type("stty size\r")
@@ -142,6 +143,7 @@ def test_ctrl_c_reaches_the_sandbox_not_the_cli(terminal: Terminal) -> None:
     assert terminal.wait() == 0
 
 
+@pytest.mark.slow
 def test_terminal_is_restored_when_the_sandbox_goes_away(terminal: Terminal, server,
                                                          sandbox_id: str) -> None:
     terminal.expect(PROMPT)

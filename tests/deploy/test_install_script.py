@@ -117,6 +117,7 @@ def test_unknown_argument_is_refused():
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.slow
 def test_staged_install_gives_a_working_venv_unit_and_settings(tmp_path: Path):
     """A real run below a staging root with a non-default prefix: the only test that
     creates the venv and pip-installs aenv (PyPI must be reachable, or pip's cache warm)."""

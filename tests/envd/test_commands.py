@@ -152,6 +152,7 @@ def test_kill_unknown_pid_returns_false(sandbox) -> None:
     assert sandbox.commands.kill(999999) is False
 
 
+@pytest.mark.slow
 def test_timeout_kills_foreground_command(sandbox) -> None:
     started = time.monotonic()
     with pytest.raises(TimeoutException):
@@ -320,6 +321,7 @@ def _rss_bytes(pid: int) -> int:
     return int(line.split()[1]) * 1024
 
 
+@pytest.mark.slow
 def test_slow_reader_gets_backpressure_not_unbounded_buffering(sandbox, envd) -> None:
     handle = sandbox.commands.run("yes", background=True)
     try:

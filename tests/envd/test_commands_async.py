@@ -77,6 +77,7 @@ async def test_kill_unknown_pid_returns_false(async_sandbox) -> None:
     assert await async_sandbox.commands.kill(999999) is False
 
 
+@pytest.mark.slow
 async def test_timeout_kills_the_command(async_sandbox) -> None:
     started = time.monotonic()
     with pytest.raises(TimeoutException):

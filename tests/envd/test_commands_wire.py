@@ -112,6 +112,7 @@ def test_nonzero_exit_end_event_carries_code_and_error(wire) -> None:
                    "error": "exit status 4"}
 
 
+@pytest.mark.slow
 def test_keepalive_is_sent_after_the_ping_interval_of_silence(wire) -> None:
     evs = events(wire.stream("Start", command("sleep 2.5"),
                              headers={"keepalive-ping-interval": "1"}))

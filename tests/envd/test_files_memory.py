@@ -55,6 +55,7 @@ class _Zeros:
         return bytes(n)
 
 
+@pytest.mark.slow
 def test_one_gib_octet_stream_upload_keeps_rss_flat(sandbox, envd, tmp_dir):
     pid = envd.proc.pid
     sandbox.files.write(f"{tmp_dir}/warm", b"x" * CHUNK)  # first-use allocations
@@ -64,6 +65,7 @@ def test_one_gib_octet_stream_upload_keeps_rss_flat(sandbox, envd, tmp_dir):
     assert _status(pid, "VmHWM") - before < MAX_GROWTH
 
 
+@pytest.mark.slow
 def test_one_gib_multipart_upload_keeps_rss_flat(sandbox, envd, tmp_dir):
     pid = envd.proc.pid
     sandbox.files.write(f"{tmp_dir}/warm", b"x" * CHUNK)

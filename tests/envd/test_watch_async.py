@@ -71,6 +71,7 @@ def _envelopes(raw: bytes) -> list[tuple[int, bytes]]:
     return out
 
 
+@pytest.mark.slow
 def test_watch_dir_sends_keepalives_at_the_requested_interval(envd, access_token, home_dir):
     """On the wire: start, then keepalives every Keepalive-Ping-Interval, then the deadline."""
     body = b'{"path":"%s"}' % home_dir.encode()

@@ -301,6 +301,7 @@ def schema(world) -> Any:
     return schemathesis.openapi.from_asgi("/openapi.json", world.app, headers=AUTH)
 
 
+@pytest.mark.slow
 def test_every_answer_is_below_500_and_every_error_is_e2b_shaped(world, schema, caplog,
                                                                   capsys) -> None:
     tally = Tally()

@@ -59,6 +59,7 @@ class SdkPoller:
             pass
 
 
+@pytest.mark.slow
 def test_a_200k_line_build_log_stays_bounded_in_rows_and_bytes(db) -> None:
     store = _store(db)
     limits = LogLimits()
