@@ -245,7 +245,8 @@ class ProxyRouter:
             headers.append((b"x-forwarded-host", host.encode()))
         masked = route.upstream_host(port)
         if masked:
-            headers.append((b"host", masked.encode()))
+            # Spelled as E2B's proxy (Go) sends it: guests that read raw headers look for it.
+            headers.append((b"Host", masked.encode()))
         has_body = any(k in (b"content-length", b"transfer-encoding") for k, _ in scope["headers"])
         client = self._client(route)
         request = client.build_request(
@@ -368,7 +369,7 @@ async def _reset_client(send: Send) -> None:
     ASGI cannot say "abort"; an app that returns before the body's end makes the server
     close the connection, which is a plain FIN. So the connection's socket is set to linger
     0 and its transport aborted (found through uvicorn's ``send``, a method of the request
-    cycle that holds the transport). One yield lets the server see the connection lost, so
+    cycle that holds the transport). Yielding lets the server see the connection lost, so
     it does not log the incomplete response as its own error. Any other server: the
     early return alone, a close instead of a reset.
     """
@@ -381,7 +382,11 @@ async def _reset_client(send: Send) -> None:
     except OSError:
         pass  # already closed
     transport.abort()
-    await asyncio.sleep(0)
+    # The server sees the connection lost one loop turn later over plain TCP, two over TLS
+    # (the SSL protocol's own callback first): until then uvicorn would log the response
+    # as incomplete ("ASGI callable returned without completing response").
+    for _ in range(2):
+        await asyncio.sleep(0)
 
 
 async def _request_body(receive: Receive) -> AsyncIterator[bytes]:
