@@ -1,5 +1,5 @@
 # The README's two commands: `make run` and `make test`. Both set up what is missing first.
-.PHONY: setup run test proto lint clean e2b-suite
+.PHONY: setup run test test-fast proto lint clean e2b-suite
 
 VENV := .venv
 
@@ -11,6 +11,11 @@ run: setup
 
 test: setup
 	@$(VENV)/bin/pytest
+
+# The quick loop: every test that needs no VM, no network namespaces and no node, and is
+# not marked slow (markers: pyproject.toml). make test still runs everything.
+test-fast: setup
+	@$(VENV)/bin/pytest -m "not vm and not net and not js and not slow"
 
 # E2B's own SDK test suites, from a checkout of e2b-dev/E2B, against a fresh aenv server
 # (docs/e2b-suite.md). E2B_SUITE_ARGS e.g. "--python-only -k create" for a quick check.
