@@ -213,7 +213,10 @@ def test_cwd_is_honoured(sandbox) -> None:
 
 def test_relative_cwd_resolves_against_home(sandbox) -> None:
     sandbox.commands.run("mkdir -p rel-cwd-test")
-    assert sandbox.commands.run("pwd", cwd="rel-cwd-test").stdout == "/home/user/rel-cwd-test\n"
+    try:
+        assert sandbox.commands.run("pwd", cwd="rel-cwd-test").stdout == "/home/user/rel-cwd-test\n"
+    finally:
+        sandbox.commands.run("rmdir rel-cwd-test")
 
 
 def test_missing_cwd_is_invalid_argument(sandbox) -> None:

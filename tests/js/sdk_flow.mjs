@@ -5,6 +5,9 @@ import { Sandbox } from 'e2b'
 
 const envdOnly = process.env.AENV_JS_ENVD_ONLY === '1'
 const out = {}
+// A fresh directory per run: with envd on the host, a run killed midway must not leave
+// files that the next run's listing sees.
+const dir = `/home/user/js-${process.pid}-${Date.now()}`
 const sbx = await Sandbox.create('base', { metadata: { lang: 'js' } })
 try {
   out.running = await sbx.isRunning()
@@ -25,22 +28,22 @@ try {
   const bg = await sbx.commands.run('sleep 30', { background: true })
   out.listed = (await sbx.commands.list()).some((p) => p.pid === bg.pid)
   out.killed = await sbx.commands.kill(bg.pid)
-  await sbx.files.write('/home/user/js/dir/a.txt', 'from js')
-  out.read = await sbx.files.read('/home/user/js/dir/a.txt')
-  out.entries = (await sbx.files.list('/home/user/js', { depth: 2 })).map((e) => e.name)
-  out.exists = await sbx.files.exists('/home/user/js/dir/a.txt')
-  const info = await sbx.files.getInfo('/home/user/js/dir/a.txt')
+  await sbx.files.write(`${dir}/dir/a.txt`, 'from js')
+  out.read = await sbx.files.read(`${dir}/dir/a.txt`)
+  out.entries = (await sbx.files.list(dir, { depth: 2 })).map((e) => e.name)
+  out.exists = await sbx.files.exists(`${dir}/dir/a.txt`)
+  const info = await sbx.files.getInfo(`${dir}/dir/a.txt`)
   out.mode = info.mode
   const events = []
-  const watcher = await sbx.files.watchDir('/home/user/js', (ev) => events.push(ev.type), {
+  const watcher = await sbx.files.watchDir(dir, (ev) => events.push(ev.type), {
     recursive: true,
   })
-  await sbx.files.write('/home/user/js/dir/b.txt', 'watched')
+  await sbx.files.write(`${dir}/dir/b.txt`, 'watched')
   await new Promise((r) => setTimeout(r, 500))
   await watcher.stop()
   out.watched = events.length > 0
-  await sbx.files.remove('/home/user/js')
-  out.removed = !(await sbx.files.exists('/home/user/js'))
+  await sbx.files.remove(dir)
+  out.removed = !(await sbx.files.exists(dir))
   const pty = await sbx.pty.create({ cols: 80, rows: 24, onData: () => {} })
   await sbx.pty.kill(pty.pid)
   out.pty = pty.pid > 0
