@@ -119,7 +119,8 @@ def _plan(cls: type, columns: tuple[str, ...]) -> tuple[tuple[int, str, Any], ..
 
 def from_row(cls: type[T], row: sqlite3.Row, **extra: Any) -> T:
     values: dict[str, Any] = {}
-    for i, name, decode in _plan(cls, tuple(row.keys())):
+    key: type = cls  # the plan's cache key (a TypeVar's type is not known to be Hashable)
+    for i, name, decode in _plan(key, tuple(row.keys())):
         v = row[i]
         if v is not None and decode is not None:
             v = decode(v)

@@ -115,9 +115,10 @@ class SandboxStore:
 
     def count(self, states: Iterable[SandboxState]) -> int:
         st = tuple(states)
-        return self.db.query(
+        n: int = self.db.query(
             f"SELECT COUNT(*) FROM sandboxes WHERE state IN ({','.join('?' * len(st))})", st
         )[0][0]
+        return n
 
     def expired(self, now: float) -> list[SandboxRecord]:
         rows = self.db.query(

@@ -30,7 +30,9 @@ tag, not a name: ``add_name`` leaves it to the tags. Deleting a template deletes
 
 from __future__ import annotations
 
+import builtins
 import json
+import sqlite3
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -117,7 +119,8 @@ class TemplateStore:
                 self._claim_name(c, name, rec.id, rec.kind)
         return rec
 
-    def _claim_name(self, c, name: str, template_id: str, kind: TemplateKind | None) -> None:
+    def _claim_name(self, c: sqlite3.Connection, name: str, template_id: str,
+                    kind: TemplateKind | None) -> None:
         base, sep, _ = name.partition(":")
         if sep and base and kind == TemplateKind.TEMPLATE and (base == template_id or c.execute(
                 "SELECT 1 FROM template_names WHERE name = ? AND template_id = ?",
@@ -149,7 +152,7 @@ class TemplateStore:
         row = self._row(base)
         return self._at_tag(self._with_names(row), tag) if row is not None else None
 
-    def _row(self, id_or_name: str):
+    def _row(self, id_or_name: str) -> sqlite3.Row | None:
         rows = self.db.query("SELECT * FROM templates WHERE id = ?", (id_or_name,))
         if not rows:
             rows = self.db.query(
@@ -189,14 +192,14 @@ class TemplateStore:
             return rec.build_id, None  # its build is gone: the implicit default
         return None
 
-    def _with_names(self, row) -> TemplateRecord:
+    def _with_names(self, row: sqlite3.Row) -> TemplateRecord:
         names = [r[0] for r in self.db.query(
             "SELECT name FROM template_names WHERE template_id = ? ORDER BY name", (row["id"],))]
         return from_row(TemplateRecord, row, names=names)
 
     def list(self, kind: TemplateKind | None = None, source_sandbox: str | None = None,
              name: str | None = None) -> list[TemplateRecord]:
-        sql, params = "SELECT * FROM templates WHERE 1=1", []
+        sql, params = "SELECT * FROM templates WHERE 1=1", builtins.list[str]()
         if kind:
             sql += " AND kind = ?"
             params.append(kind)
@@ -220,7 +223,7 @@ class TemplateStore:
         with self.db.write() as c:
             return c.execute("DELETE FROM templates WHERE id = ?", (template_id,)).rowcount == 1
 
-    def children(self, template_id: str) -> list[str]:
+    def children(self, template_id: str) -> builtins.list[str]:
         return [r[0] for r in self.db.query(
             "SELECT id FROM templates WHERE parent_id = ?", (template_id,))]
 
@@ -236,7 +239,7 @@ class TemplateStore:
         rows = self.db.query("SELECT * FROM builds WHERE id = ?", (build_id,))
         return from_row(BuildRecord, rows[0]) if rows else None
 
-    def builds_in(self, statuses: tuple[BuildStatus, ...]) -> list[BuildRecord]:
+    def builds_in(self, statuses: tuple[BuildStatus, ...]) -> builtins.list[BuildRecord]:
         rows = self.db.query(
             f"SELECT * FROM builds WHERE status IN ({','.join('?' * len(statuses))})", statuses)
         return [from_row(BuildRecord, r) for r in rows]
@@ -255,13 +258,13 @@ class TemplateStore:
         if changes.get("status") in BUILD_ENDED:
             self._tallies.pop(build_id, None)
 
-    def set_build_tags(self, build_id: str, tags: list[str]) -> None:
+    def set_build_tags(self, build_id: str, tags: builtins.list[str]) -> None:
         """The tags ``build_id`` takes over once it is ready (else those of its spec's
         names, as the builder writes them: ``x:t`` → ``t``)."""
         with self.db.write() as c:
             c.execute("UPDATE builds SET tags = ? WHERE id = ?", (json.dumps(tags), build_id))
 
-    def _tag_ready_build(self, c, build_id: str) -> None:
+    def _tag_ready_build(self, c: sqlite3.Connection, build_id: str) -> None:
         """Keep the build's outcome (what the template record says, when it names this
         build) and move the build's tags to it."""
         b = c.execute("SELECT template_id, spec, tags FROM builds WHERE id = ?",
@@ -282,7 +285,8 @@ class TemplateStore:
         self._put_tags(c, b["template_id"], build_id, tags)
 
     @staticmethod
-    def _put_tags(c, template_id: str, build_id: str, tags: list[str]) -> None:
+    def _put_tags(c: sqlite3.Connection, template_id: str, build_id: str,
+                  tags: builtins.list[str]) -> None:
         now = time.time()
         c.executemany(
             "INSERT INTO template_tags (template_id, tag, build_id, created_at) "
@@ -292,7 +296,7 @@ class TemplateStore:
 
     # -- tags -----------------------------------------------------------------------------
 
-    def tags(self, template_id: str) -> list[TemplateTag]:
+    def tags(self, template_id: str) -> builtins.list[TemplateTag]:
         """The template's tags by name; ``default`` is listed even when implicit."""
         out = [TemplateTag(r[0], r[1], r[2]) for r in self.db.query(
             "SELECT tag, build_id, created_at FROM template_tags WHERE template_id = ? "
@@ -314,12 +318,12 @@ class TemplateStore:
         found = self._build_for(self._with_names(rows[0]), tag) if rows else None
         return found[0] if found else None
 
-    def assign_tags(self, template_id: str, build_id: str, tags: list[str]) -> None:
+    def assign_tags(self, template_id: str, build_id: str, tags: builtins.list[str]) -> None:
         """Point ``tags`` at ``build_id`` (from ``tag_build``), wherever they pointed."""
         with self.db.write() as c:
             self._put_tags(c, template_id, build_id, tags)
 
-    def remove_tags(self, template_id: str, tags: list[str]) -> None:
+    def remove_tags(self, template_id: str, tags: builtins.list[str]) -> None:
         with self.db.write() as c:
             c.executemany("DELETE FROM template_tags WHERE template_id = ? AND tag = ?",
                           [(template_id, t) for t in tags])
@@ -374,7 +378,8 @@ class TemplateStore:
                     t = replace(t, held_first=t.held_first + 1, held_bytes=t.held_bytes - gone)
         self._tallies[build_id] = t
 
-    def logs(self, build_id: str, offset: int = 0, limit: int = 1000) -> list[dict[str, Any]]:
+    def logs(self, build_id: str, offset: int = 0,
+             limit: int = 1000) -> builtins.list[dict[str, Any]]:
         """Shown lines from ``offset`` (their ``seq``) on; held-back lines are not shown."""
         rows = self.db.query(
             "SELECT seq, ts, level, step, message FROM build_logs WHERE build_id = ? AND seq >= ? "
@@ -382,17 +387,18 @@ class TemplateStore:
         return [dict(r) for r in rows]
 
     @staticmethod
-    def _insert(c, build_id: str, seq: int, level: str, step: str | None, message: str,
-                ts: float | None = None) -> None:
+    def _insert(c: sqlite3.Connection, build_id: str, seq: int, level: str, step: str | None,
+                message: str, ts: float | None = None) -> None:
         c.execute("INSERT INTO build_logs VALUES (?, ?, ?, ?, ?, ?)",
                   (build_id, seq, time.time() if ts is None else ts, level, step, message))
 
     @staticmethod
-    def _shown(c, build_id: str) -> int:
-        return c.execute("SELECT COALESCE(MAX(seq), -1) + 1 FROM build_logs "
+    def _shown(c: sqlite3.Connection, build_id: str) -> int:
+        shown: int = c.execute("SELECT COALESCE(MAX(seq), -1) + 1 FROM build_logs "
                          "WHERE build_id = ? AND seq >= 0", (build_id,)).fetchone()[0]
+        return shown
 
-    def _tally(self, c, build_id: str, shown: int, held_next: int) -> _Tally:
+    def _tally(self, c: sqlite3.Connection, build_id: str, shown: int, held_next: int) -> _Tally:
         """The cached tally when the table agrees with it (its top seqs, read by the caller),
         else one read of the build's rows: after a restart, or if anything else wrote them."""
         t = self._tallies.get(build_id)
@@ -408,7 +414,7 @@ class TemplateStore:
             return _Tally(shown, shown_bytes, 0, 0, 0)
         return _Tally(shown, shown_bytes, lo - _HELD, hi - _HELD + 1, held_bytes)
 
-    def _show_held(self, c, build_id: str) -> None:
+    def _show_held(self, c: sqlite3.Connection, build_id: str) -> None:
         """Number the held-back lines after the shown ones, behind a marker line."""
         lo, n, ts, step = c.execute(
             "SELECT MIN(seq), COUNT(*), MIN(ts), "
