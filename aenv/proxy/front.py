@@ -23,7 +23,8 @@ from urllib.parse import parse_qs
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .router import ENVD_PORT, ProxyRouter, _answer, _json, not_found, parse_host
+from ..envd import ENVD_PORT
+from .router import ProxyRouter, _answer, _json, not_found, parse_host
 
 SignedLookup = Callable[[str, str, str | None, str, str | None], Awaitable[str | None]]
 TokenLookup = Callable[[str], Awaitable[str | None]]

@@ -42,6 +42,7 @@ import socket
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import quote, unquote
 
 import httpx
@@ -53,6 +54,8 @@ from ..envd import ENVD_PORT
 from ..network.access import connect_socket
 
 log = logging.getLogger("aenv.proxy")
+
+Headers = list[tuple[bytes, bytes]]  # ASGI's header list: (lower-case name, value)
 
 _HOST = re.compile(r"^(\d{1,5})-([a-z0-9]{1,64})\.[^:]+(?::\d+)?$")
 _HOP_BY_HOP = {
@@ -131,7 +134,7 @@ class RouteTable:
         self.lookup = lookup
 
 
-def _json(status: int, body: dict) -> tuple[int, list, bytes]:
+def _json(status: int, body: dict[str, Any]) -> tuple[int, Headers, bytes]:
     import json
 
     data = json.dumps(body).encode()
@@ -139,17 +142,17 @@ def _json(status: int, body: dict) -> tuple[int, list, bytes]:
                     (b"content-length", str(len(data)).encode())], data
 
 
-async def _answer(send: Send, status: int, headers: list, body: bytes) -> None:
+async def _answer(send: Send, status: int, headers: Headers, body: bytes) -> None:
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
-def not_found(sandbox_id: str) -> tuple[int, list, bytes]:
+def not_found(sandbox_id: str) -> tuple[int, Headers, bytes]:
     return _json(502, {"sandboxId": sandbox_id, "message": "The sandbox was not found",
                        "code": 502})
 
 
-def port_closed(sandbox_id: str, port: int) -> tuple[int, list, bytes]:
+def port_closed(sandbox_id: str, port: int) -> tuple[int, Headers, bytes]:
     return _json(502, {"sandboxId": sandbox_id,
                        "message": "The sandbox is running but port is not open",
                        "port": port, "code": 502})
@@ -162,7 +165,7 @@ class ProxyRouter:
         self.routes = routes
         self.connect_timeout = connect_timeout
         self._clients: dict[str, tuple[str, httpx.AsyncClient]] = {}
-        self._closing: set[asyncio.Task] = set()
+        self._closing: set[asyncio.Task[None]] = set()
         self._websockets: dict[str, set[websockets.ClientConnection]] = {}
 
     async def close(self) -> None:
@@ -374,7 +377,9 @@ async def _reset_client(send: Send) -> None:
     early return alone, a close instead of a reset.
     """
     transport = getattr(getattr(send, "__self__", None), "transport", None)
-    sock = transport.get_extra_info("socket") if transport is not None else None
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
     if sock is None:
         return
     try:
@@ -402,7 +407,8 @@ async def _request_body(receive: Receive) -> AsyncIterator[bytes]:
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
-    for k, v in scope["headers"]:
+    headers: Headers = scope["headers"]
+    for k, v in headers:
         if k == name:
             return v.decode("latin-1")
     return None
