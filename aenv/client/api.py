@@ -9,6 +9,7 @@ key; ``NotFound``; ``Conflict``: wrong state).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from types import TracebackType
 from typing import IO, Any
 from urllib.parse import quote, urlencode
@@ -104,7 +105,7 @@ class ApiClient:
                                 "envVars": env_vars or {}}
         if timeout is not None:
             body["timeout"] = timeout
-        return self._request("POST", "/v2/sandboxes", json=body).json()
+        return _object(self._request("POST", "/v2/sandboxes", json=body))
 
     def list_sandboxes(self, *, states: list[str] | None = None,
                        metadata: dict[str, str] | None = None,
@@ -118,14 +119,14 @@ class ApiClient:
         out: list[dict[str, Any]] = []
         while True:
             r = self._request("GET", "/v2/sandboxes", params=params)
-            out.extend(r.json())
+            out.extend(_objects(r))
             token = r.headers.get("X-Next-Token")
             if not token:
                 return out
             params["nextToken"] = token
 
     def get_sandbox(self, sandbox_id: str) -> dict[str, Any]:
-        return self._request("GET", f"/sandboxes/{path_param(sandbox_id)}").json()
+        return _object(self._request("GET", f"/sandboxes/{path_param(sandbox_id)}"))
 
     def kill_sandbox(self, sandbox_id: str) -> None:
         self._request("DELETE", f"/sandboxes/{path_param(sandbox_id)}")
@@ -139,13 +140,13 @@ class ApiClient:
         body: dict[str, Any] = {"count": count}
         if timeout is not None:
             body["timeout"] = timeout
-        return self._request("POST", f"/sandboxes/{path_param(sandbox_id)}/fork",
-                             json=body).json()
+        return _objects(self._request("POST", f"/sandboxes/{path_param(sandbox_id)}/fork",
+                                      json=body))
 
     def snapshot_sandbox(self, sandbox_id: str, name: str | None = None) -> dict[str, Any]:
         body = {"name": name} if name else {}
-        return self._request("POST", f"/sandboxes/{path_param(sandbox_id)}/snapshots",
-                             json=body).json()
+        return _object(self._request("POST", f"/sandboxes/{path_param(sandbox_id)}/snapshots",
+                                     json=body))
 
     def connect_sandbox(self, sandbox_id: str,
                         timeout: int | None = None) -> tuple[dict[str, Any], bool]:
@@ -154,7 +155,7 @@ class ApiClient:
         body = {} if timeout is None else {"timeout": timeout}
         r = self._request("POST", f"/v2/sandboxes/{path_param(sandbox_id)}/connect",
                           json=body)
-        return r.json(), r.status_code == 201
+        return _object(r), r.status_code == 201
 
     # -- templates (the E2B build API, as Template.build drives it) -------------------------
 
@@ -170,13 +171,13 @@ class ApiClient:
             body["cpuCount"] = cpu_count
         if memory_mb is not None:
             body["memoryMB"] = memory_mb
-        return self._request("POST", "/v3/templates", json=body).json()
+        return _object(self._request("POST", "/v3/templates", json=body))
 
     def file_upload_link(self, template_id: str, files_hash: str) -> dict[str, Any]:
         """``{present, url?, headers?}``: whether the server has this COPY archive, and
         where to PUT it when not."""
-        return self._request(
-            "GET", f"/templates/{path_param(template_id)}/files/{files_hash}").json()
+        return _object(self._request(
+            "GET", f"/templates/{path_param(template_id)}/files/{files_hash}"))
 
     def upload_files(self, url: str, archive: IO[bytes], size: int,
                      headers: dict[str, str] | None = None) -> None:
@@ -200,20 +201,45 @@ class ApiClient:
     def build_status(self, template_id: str, build_id: str,
                      logs_offset: int = 0) -> dict[str, Any]:
         """``{status, logEntries, reason?}``; log entries from ``logs_offset`` on."""
-        return self._request(
+        return _object(self._request(
             "GET", f"/templates/{path_param(template_id)}/builds/{build_id}/status",
-            params={"logsOffset": logs_offset}).json()
+            params={"logsOffset": logs_offset}))
 
     def list_templates(self) -> list[dict[str, Any]]:
-        return self._request("GET", "/templates").json()
+        return _objects(self._request("GET", "/templates"))
 
     def delete_template(self, id_or_name: str) -> None:
         self._request("DELETE", f"/templates/{path_param(id_or_name)}")
 
 
-def _chunks(f: IO[bytes], size: int = 1 << 20):
+def _chunks(f: IO[bytes], size: int = 1 << 20) -> Iterator[bytes]:
     while block := f.read(size):
         yield block
+
+
+def _json(r: httpx.Response) -> Any:
+    try:
+        return r.json()
+    except ValueError as e:
+        raise ApiError(r.status_code, f"the server's answer is not JSON: {r.text[:200]!r}") from e
+
+
+def _object(r: httpx.Response) -> dict[str, Any]:
+    """The answer's JSON object; any other answer is an ``ApiError``, not a ``ValueError``
+    or a wrong type deep in the caller."""
+    body = _json(r)
+    if not isinstance(body, dict):
+        raise ApiError(r.status_code, f"the server answered {type(body).__name__}, "
+                                      "not a JSON object")
+    return body
+
+
+def _objects(r: httpx.Response) -> list[dict[str, Any]]:
+    """The answer's JSON list of objects, checked like ``_object``."""
+    body = _json(r)
+    if not isinstance(body, list) or not all(isinstance(x, dict) for x in body):
+        raise ApiError(r.status_code, "the server's answer is not a JSON list of objects")
+    return body
 
 
 def _reason(e: httpx.TransportError) -> str:

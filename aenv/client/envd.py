@@ -42,7 +42,7 @@ import contextlib
 import json
 import struct
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,7 +143,7 @@ def envelope(message: dict[str, Any], flags: int = 0) -> bytes:
 
 
 async def read_envelopes(stream: AsyncIterator[bytes], max_size: int | None = None,
-                         ) -> AsyncIterator[tuple[int, dict]]:
+                         ) -> AsyncGenerator[tuple[int, dict[str, Any]], None]:
     """The Connect envelopes in ``stream``, as (flags, JSON object) pairs.
 
     A message that claims more than ``max_size`` bytes (``MAX_ENVELOPE_BYTES`` by default)
@@ -306,7 +306,7 @@ class EnvdClient:
         if self._own:
             await self.http.aclose()
 
-    def _headers(self, user: str | None = None, extra: dict[str, str] | None = None) -> dict:
+    def _headers(self, user: str | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
         h = {**self.extra_headers, **_IDENTITY, **(extra or {})}
         if self.token:
             h["X-Access-Token"] = self.token
@@ -416,7 +416,7 @@ class EnvdClient:
     async def start(self, cmd: str, args: list[str] | None = None, *, user: str | None = None,
                     cwd: str | None = None, envs: dict[str, str] | None = None,
                     pty: PtySize | None = None, stdin: bool | None = False,
-                    timeout: float | None = None) -> AsyncIterator[ProcessEvent]:
+                    timeout: float | None = None) -> AsyncGenerator[ProcessEvent, None]:
         """Start a process and yield its events; the first is ``start``, the last ``end``.
 
         ``timeout`` bounds the process's lifetime (envd kills it then) and the stream's,
@@ -565,7 +565,7 @@ class EnvdClient:
         async def body() -> AsyncIterator[bytes]:
             yield envelope({"start": _selector(pid)})
             it = aiter(chunks)
-            pending: asyncio.Future | None = None
+            pending: asyncio.Future[bytes] | None = None
             try:
                 while True:
                     if pending is None:
