@@ -178,9 +178,9 @@ def pids_in(names: Iterable[str]) -> dict[str, list[int]]:
             st = os.stat(f"/proc/{entry.name}/ns/net")
         except OSError:  # gone, or a kernel thread we may not inspect
             continue
-        name = by_inode.get((st.st_dev, st.st_ino))
-        if name is not None:
-            found.setdefault(name, []).append(int(entry.name))
+        owner = by_inode.get((st.st_dev, st.st_ino))
+        if owner is not None:
+            found.setdefault(owner, []).append(int(entry.name))
     return found
 
 

@@ -102,6 +102,7 @@ def generation() -> int | None:
         if alen < 4:
             break
         if atype & 0x3FFF == _NFTA_GEN_ID and alen >= 8:
-            return struct.unpack_from(">I", data, offset + 4)[0]
+            gen_id: int = struct.unpack_from(">I", data, offset + 4)[0]
+            return gen_id
         offset += (alen + 3) & ~3
     return None

@@ -67,7 +67,7 @@ class SlotPool:
         self.warm_size = settings.warm_slots if warm_size is None else warm_size
         if self.warm_size < 0:
             raise ValueError("warm_size must be >= 0")
-        self._tap = {"tap_uid": tap_uid, "tap_gid": tap_gid}
+        self._tap_uid, self._tap_gid = tap_uid, tap_gid
         self._cv = threading.Condition()
         self._warm: collections.deque[NetworkSlot] = collections.deque()
         self._leased: dict[int, NetworkSlot] = {}
@@ -149,17 +149,19 @@ class SlotPool:
         self._host.check()
         with self._cv:
             self._check_open()
-            slot = self._warm.popleft() if self._warm else None
-            index = None if slot is not None else self._take_index()
+            # a warm slot, else the index of one to make now
+            picked = self._warm.popleft() if self._warm else self._take_index()
             self._last_busy = time.monotonic()
             self._cv.notify_all()  # the filler tops the warm pool up again
-        if slot is None:
+        if isinstance(picked, int):
             try:
-                slot = NetworkSlot.create(self.addressing, index, policy=policy, **self._tap)
+                slot = NetworkSlot.create(self.addressing, picked, policy=policy,
+                                          tap_uid=self._tap_uid, tap_gid=self._tap_gid)
             except BaseException:
-                self._free_index(index)
+                self._free_index(picked)
                 raise
         else:
+            slot = picked
             try:
                 slot.set_policy(policy)
             except BaseException:
@@ -330,7 +332,7 @@ class SlotPool:
                     with self._cv:
                         self._cleaning -= 1
                         self._cv.notify_all()
-            else:
+            elif index is not None:
                 self._fill(index)
 
     def _hold(self) -> float:
@@ -380,7 +382,8 @@ class SlotPool:
     def _fill(self, index: int) -> None:
         try:
             self._host.check()
-            slot = NetworkSlot.create(self.addressing, index, **self._tap)
+            slot = NetworkSlot.create(self.addressing, index, tap_uid=self._tap_uid,
+                                      tap_gid=self._tap_gid)
         except BaseException as e:
             self.last_error = e
             log.exception("slot %d: warm creation failed", index)
