@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..store import SandboxRecord, TemplateRecord
 
@@ -105,5 +105,6 @@ class Machines(Protocol):
         """Stop the (build) VM of ``rec`` and keep its root disk as the new read-only layer
         ``ref`` (``layer:<id>``, pinned by the caller) over its template's."""
 
-    def logs(self, rec: SandboxRecord, start: int | None, limit: int) -> list[dict]:
+    def logs(self, rec: SandboxRecord, start: int | None,
+             limit: int) -> list[dict[str, Any]]:
         """Console lines of the sandbox's VM: ``[{"timestamp": ms, "line": str}]``."""

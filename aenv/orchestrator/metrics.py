@@ -26,8 +26,9 @@ from typing import Any
 
 import httpx
 
-from ..client.envd import ENVD_PORT, EnvdClient, EnvdError
+from ..client.envd import EnvdClient, EnvdError
 from ..client.http import plain_client
+from ..envd import ENVD_PORT
 from ..store import SandboxState, SandboxStore
 
 log = logging.getLogger("aenv.metrics")
@@ -70,7 +71,7 @@ def _parse(m: Any) -> dict[str, Any]:
     if (isinstance(cpu, bool) or not isinstance(cpu, int | float) or not math.isfinite(cpu)
             or not 0 <= cpu <= 100):
         raise BadSample(f"cpu_used_pct is {_shown(cpu)}, not a percentage")
-    sample = {
+    sample: dict[str, Any] = {
         "timestamp": datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z"),
         "timestampUnix": ts,
         "cpuCount": _integer(m, "cpu_count", 0, high=4096),
@@ -93,7 +94,7 @@ class MetricsCollector:
         self.sandboxes, self.interval, self.keep = sandboxes, interval, keep
         self._samples: dict[str, deque[dict[str, Any]]] = {}
         self._failing: set[str] = set()  # sandboxes whose last sample failed (and logged)
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._http = plain_client(timeout=httpx.Timeout(3.0, connect=1.0))
 
     async def start(self) -> None:

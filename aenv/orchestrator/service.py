@@ -117,7 +117,7 @@ class Orchestrator:
         self.ttl_interval = ttl_interval
         self._locks: dict[str, asyncio.Lock] = {}
         self._starting = 0
-        self._ttl_task: asyncio.Task | None = None
+        self._ttl_task: asyncio.Task[None] | None = None
         # References in use that no record names yet (see ``pins``); the builder shares it.
         self.pins = Pins()
         # Called with the sandbox id after its VM stopped (kill, pause): e.g. the proxy
