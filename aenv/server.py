@@ -19,6 +19,7 @@ from typing import Any
 from .api.app import create_api
 from .api.auth import load_api_key
 from .config import Settings
+from .envd.signing import Operation
 from .envd.signing import signature as envd_signature
 from .orchestrator.admission import Budget
 from .orchestrator.builds import Builder
@@ -159,7 +160,7 @@ class Server:
             mask_host=(rec.network or {}).get("maskRequestHost"),
         )
 
-    async def _signed_lookup(self, path: str, op: str, user: str | None, signature: str,
+    async def _signed_lookup(self, path: str, op: Operation, user: str | None, signature: str,
                              expiration: str | None) -> str | None:
         """The running sandbox whose token produced ``signature`` (signed URLs carry no
         routing headers)."""

@@ -13,10 +13,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..orchestrator.service import Orchestrator
 from . import errors, sandboxes, snapshots, templates
@@ -54,7 +54,7 @@ class BodyLimit:
                 return await error_response(413, "request body too large")(scope, receive, send)
         seen = 0
 
-        async def limited() -> dict:
+        async def limited() -> Message:
             nonlocal seen
             msg = await receive()
             if msg["type"] == "http.request":
@@ -79,7 +79,7 @@ def create_api(
     upload_limit: int = templates.UPLOAD_LIMIT_BYTES,
     upload_link_ttl: float = templates.UPLOAD_LINK_TTL_S,
     lifespan: Callable[[Any], Any] | None = None,
-    extra_routers: tuple = (),
+    extra_routers: tuple[APIRouter, ...] = (),
 ) -> ASGIApp:
     app = FastAPI(title="aenv", openapi_url="/openapi.json", docs_url=None, redoc_url=None,
                   lifespan=lifespan)

@@ -23,6 +23,7 @@ error's family and type, for the same reason.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -56,7 +57,7 @@ class ApiError(Exception):
 
 
 def error_response(status: int, message: str, *, retry: bool | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+                   headers: Mapping[str, str] | None = None) -> JSONResponse:
     hdrs = dict(headers or {})
     if retry is not None:
         hdrs["Should-Retry"] = "true" if retry else "false"

@@ -28,11 +28,13 @@ _IDEMPOTENCY_KEY = re.compile(r"^[a-z0-9-]{1,255}$")
 
 
 def orch(request: Request) -> Orchestrator:
-    return request.app.state.orchestrator
+    o: Orchestrator = request.app.state.orchestrator  # set by create_api
+    return o
 
 
 def domain(request: Request) -> str:
-    return request.app.state.domain
+    d: str = request.app.state.domain
+    return d
 
 
 async def _create(request: Request, body: NewSandbox, idem: str | None, v1: bool) -> Response:

@@ -24,9 +24,10 @@ from urllib.parse import parse_qs
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..envd import ENVD_PORT
+from ..envd.signing import Operation
 from .router import ProxyRouter, _answer, _json, not_found, parse_host
 
-SignedLookup = Callable[[str, str, str | None, str, str | None], Awaitable[str | None]]
+SignedLookup = Callable[[str, Operation, str | None, str, str | None], Awaitable[str | None]]
 TokenLookup = Callable[[str], Awaitable[str | None]]
 _ENVD_RPC = ("/process.Process/", "/filesystem.Filesystem/")
 
@@ -57,7 +58,7 @@ class Front:
         if target is None and scope["type"] == "http" and scope["path"] == "/files":
             q = parse_qs(scope.get("query_string", b"").decode("latin-1"))
             if "signature" in q:
-                op = "read" if scope["method"] == "GET" else "write"
+                op: Operation = "read" if scope["method"] == "GET" else "write"
                 sid = await self.signed_lookup(
                     q.get("path", [""])[0], op, q.get("username", [None])[0],
                     q["signature"][0], q.get("signature_expiration", [None])[0])
