@@ -11,6 +11,9 @@ Contract, as upstream envd:
   PATH (envd's), HOME, USER, LOGNAME, then the sandbox env vars, then the request's envs.
 - cwd is the request's, resolved like any path for that user, else the default workdir,
   else home; it must exist.
+- ``/bin/bash`` (what E2B's SDK asks for: ``-l -c CMD``, ``-i -l`` for a PTY) becomes the
+  image's ``/bin/sh`` with the same flags where the image has no bash (busybox, alpine);
+  long options only bash knows are dropped (``_SH_FALLBACK``).
 - stdin is a pipe when the request asks for it or leaves it unset, else /dev/null. A PTY
   process gets the slave end as stdin, stdout and stderr and becomes a session leader.
 Non-PTY children stay in envd's session and process group, as upstream's do.
@@ -20,7 +23,9 @@ Non-PTY children stay in envd's session and process group, as upstream's do.
 
 How: ``fork`` of a 40 MB Python process costs 3-4 ms here and blocks the event loop for it,
 so children start with ``posix_spawn`` (vfork-like, ~0.1 ms), switching user through
-util-linux ``setpriv`` when envd is not already that user. A PTY child opens the slave by
+util-linux ``setpriv`` when envd is not already that user (the image's, or the argv prefix
+in ``AENV_ENVD_SETPRIV``: the tools drive's own, run through its loader, since an image's
+may be busybox's, which has other options). A PTY child opens the slave by
 path in a spawn file action, which runs after ``setsid``, so the terminal becomes its
 controlling tty. Only when a user switch is needed and ``setpriv`` is missing (minimal
 images) does ``subprocess.Popen`` fork instead. ``posix_spawn`` cannot close stray
@@ -50,7 +55,14 @@ _WRAPPER = 'cd -- "$1" && shift && echo 100 > /proc/$$/oom_score_adj && exec "$@
 _PLACED_WRAPPER = "read -r _ <&3; exec 3<&-; " + _WRAPPER
 _HANDSHAKE_FD = 3
 _FALLBACK_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-_SETPRIV = shutil.which("setpriv", path="/usr/bin:/bin:/usr/sbin:/sbin")
+_SETPRIV: list[str] | None = (
+    os.environ.get("AENV_ENVD_SETPRIV", "").split()
+    or ([found] if (found := shutil.which("setpriv", path="/usr/bin:/bin:/usr/sbin:/sbin"))
+        else None))
+_BASH = "/bin/bash"
+# bash's own long options, which a POSIX sh refuses; what remains (-l, -c, -i, -e...) the
+# shells of minimal images (busybox ash, dash) know.
+_SH_FALLBACK = {"--login": "-l", "--noprofile": None, "--norc": None, "--posix": None}
 # Python ignores these; a child must get them back at their defaults (as Popen does).
 _DEFAULT_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ)
 
@@ -105,6 +117,7 @@ def plan(request: process_pb.StartRequest, user: User, sandbox_env: dict[str, st
         raise InvalidRequest("process config is required")
     if not config.cmd:
         raise InvalidRequest("process cmd must not be empty")
+    cmd, args = shell_for(config.cmd, list(config.args))
 
     cwd = resolve_path(config.cwd if config.has_field("cwd") else "", user, default_workdir)
     if not os.path.exists(cwd):
@@ -124,7 +137,23 @@ def plan(request: process_pb.StartRequest, user: User, sandbox_env: dict[str, st
         size = request.pty.size
         pty_size = (size.cols, size.rows) if size is not None else (0, 0)
     stdin = request.stdin if request.has_field("stdin") else True
-    return LaunchSpec(config.cmd, list(config.args), env, cwd, user, stdin, pty_size, cgroup)
+    return LaunchSpec(cmd, args, env, cwd, user, stdin, pty_size, cgroup)
+
+
+def shell_for(cmd: str, args: list[str], bash: str = _BASH) -> tuple[str, list[str]]:
+    """``cmd`` and ``args``, with ``/bin/bash`` turned into ``/bin/sh`` where ``bash`` is
+    missing (bash's long options translated or dropped)."""
+    if cmd != _BASH or os.path.exists(bash):
+        return cmd, args
+    out: list[str] = []
+    for i, arg in enumerate(args):
+        if arg in ("-c", "--") or not arg.startswith("-"):
+            return "/bin/sh", [*out, *args[i:]]  # the command and its words, untouched
+        if arg not in _SH_FALLBACK:
+            out.append(arg)
+        elif (short := _SH_FALLBACK[arg]) is not None:
+            out.append(short)
+    return "/bin/sh", out
 
 
 def spawn(spec: LaunchSpec) -> Spawned:
@@ -154,7 +183,7 @@ def seal_inherited_descriptors() -> None:
 def _setpriv_prefix(user: User) -> list[str]:
     assert _SETPRIV is not None
     groups = f"--groups={','.join(map(str, user.groups))}" if user.groups else "--clear-groups"
-    return [_SETPRIV, f"--reuid={user.uid}", f"--regid={user.gid}", groups, "--"]
+    return [*_SETPRIV, f"--reuid={user.uid}", f"--regid={user.gid}", groups, "--"]
 
 
 class _Pipes:
