@@ -34,7 +34,7 @@ from ..runtime import (
 )
 from ..runtime import workdir as wd
 from ..runtime.ready import boot_until_ready
-from ..storage import disk_layers, snapshot_store
+from ..storage import disk_layers, disks, snapshot_store
 from ..storage.disks import Disk, create_disk
 from ..storage.image_ref import ImageRef
 from ..storage.images import Image, ensure_base_image
@@ -449,6 +449,8 @@ class NodeMachines:
                 removed = await asyncio.to_thread(
                     snapshot_store.collect, self.settings.snapshots_dir,
                     self.settings.layers_dir, roots())
+                # The cached empty overlays of what was just deleted go with it.
+                await asyncio.to_thread(disks.prune_overlay_cache, self.settings.vms_dir)
             except snapshot_store.DependenciesUnknown as e:
                 log.error("garbage collection deleted nothing: %s", e)
                 return 0

@@ -119,14 +119,19 @@ def create_disk(base: Path, directory: Path, name: str = "rootfs", *,
     return Disk(dest, "qcow2", "qcow2", base)
 
 
+def _overlay_key(resolved: Path, base_format: str) -> str:
+    """The cache name of an overlay of ``resolved``: it changes when the file is replaced."""
+    st = resolved.stat()
+    key = hashlib.sha256(f"{resolved}:{st.st_ino}:{st.st_mtime_ns}:{base_format}".encode())
+    return key.hexdigest()[:32]
+
+
 def _pristine_overlay(base: Path, base_format: str, cache_root: Path) -> Path:
     """An empty qcow2 overlay of ``base``, made once with ``qemu-img`` and then copied for
     each sandbox: every overlay of one base is byte-identical, and copying 200 KiB takes
     0.1 ms where spawning qemu-img takes 6-20 ms on the create path."""
     resolved = base.resolve()
-    st = resolved.stat()
-    key = hashlib.sha256(f"{resolved}:{st.st_ino}:{st.st_mtime_ns}:{base_format}".encode())
-    cached = cache_root / ".overlays" / f"{key.hexdigest()[:32]}.qcow2"
+    cached = cache_root / OVERLAY_CACHE / f"{_overlay_key(resolved, base_format)}.qcow2"
     if cached.exists():
         return cached
     qemu_img = shutil.which("qemu-img")
@@ -137,6 +142,52 @@ def _pristine_overlay(base: Path, base_format: str, cache_root: Path) -> Path:
     run([qemu_img, "create", "-q", "-f", "qcow2", "-b", resolved, "-F", base_format, tmp])
     os.replace(tmp, cached)
     return cached
+
+
+OVERLAY_CACHE = ".overlays"
+_QCOW2_MAGIC = b"QFI\xfb"
+
+
+def _backing_name(path: Path) -> str | None:
+    """The backing file a qcow2 header names (None: not a qcow2, or no backing file). The
+    header's first 20 bytes give the name's offset and length (qcow2 spec, big-endian)."""
+    with open(path, "rb") as f:
+        head = f.read(20)
+        if len(head) < 20 or head[:4] != _QCOW2_MAGIC:
+            return None
+        offset, size = int.from_bytes(head[8:16], "big"), int.from_bytes(head[16:20], "big")
+        if offset == 0 or size == 0 or size > 4096:
+            return None
+        f.seek(offset)
+        return f.read(size).decode(errors="surrogateescape")
+
+
+def prune_overlay_cache(cache_root: Path) -> list[Path]:
+    """Remove the cached empty overlays (``_pristine_overlay``) whose base is gone or was
+    replaced: garbage collection deleted the snapshot they were made for, so no disk will
+    be made from them again. Returns what was removed. A cached overlay is only ever read
+    (copied), so removing one while a create copies it is harmless: the copy holds the
+    data, and a later create of a live base makes the overlay again."""
+    removed: list[Path] = []
+    try:
+        entries = list((cache_root / OVERLAY_CACHE).iterdir())
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        if entry.suffix != ".qcow2":
+            continue  # a ``.tmp-*`` of a create in progress
+        try:
+            base = _backing_name(entry)
+            stale = base is None or entry.stem not in {
+                _overlay_key(Path(base), fmt) for fmt in ("raw", "qcow2")}
+        except FileNotFoundError:
+            stale = True  # the base is gone (or the entry, removed by another prune)
+        except OSError:
+            continue  # unreadable: keep it; it costs 200 KiB
+        if stale:
+            entry.unlink(missing_ok=True)
+            removed.append(entry)
+    return removed
 
 
 def doctor_checks(data_dir: Path | None = None) -> list[tuple[str, str]]:

@@ -8,7 +8,7 @@ file; resuming it boots). ``layer:<id>`` names a committed template layer
 (``disk_layers``). Snapshots and layers reference their parents by absolute path (memory
 layers, qcow2 backing chains), so one is deleted only when no root reaches it; roots are
 what the store of record still uses (templates, paused sandboxes, what running sandboxes
-were restored from). Directories being written are ``.<id>.partial-*``; a crash leaves them
+were restored from). A root keeps what its own manifest names and no more (``reachable``). Directories being written are ``.<id>.partial-*``; a crash leaves them
 behind and collection removes them — the caller serialises collection with snapshot writes.
 Collection fails closed: when what a kept snapshot or layer depends on cannot be read,
 nothing is deleted in that pass.
@@ -158,27 +158,42 @@ def dependencies(path: Path, snapshots_root: Path, layers_root: Path) -> set[Pat
     return out
 
 
-def collect(snapshots_root: Path, layers_root: Path, roots: Iterable[str]) -> list[Path]:
-    """Delete every snapshot and layer no root reaches; returns what was deleted. Raises
-    ``DependenciesUnknown`` (having deleted nothing) when a reachable snapshot's or layer's
-    own dependencies cannot be read."""
+def reachable(snapshots_root: Path, layers_root: Path, roots: Iterable[str]) -> set[Path]:
+    """The snapshot directories and layer files ``roots`` need. A snapshot's manifest names
+    its whole closure (every memory layer of its stack, every file of each drive's backing
+    chain, the image the chain ends on), and so does a qcow2 backing chain, so a directory
+    that a root reads from is kept without following *its* manifest: that would keep what
+    only the directory's own (unused) restore reads — the drive chain behind a memory
+    layer, the memory stack behind a drive — and so on back through every capture of a
+    sandbox's life. Layer files are followed (cheap, and a layer may sit on another)."""
     keep: set[Path] = set()
-    todo: list[Path] = []
+    todo: list[tuple[Path, bool]] = []  # (path, follow its dependencies)
     for r in roots:
         try:
             root = ImageRef.parse(r)
             if root.is_snapshot:
-                todo.append(directory(snapshots_root, root))
+                todo.append((directory(snapshots_root, root), True))
             elif root.is_layer:
-                todo.append(disk_layers.resolve(root, layers_root).path)
+                todo.append((disk_layers.resolve(root, layers_root).path, True))
         except StorageError:  # BadImageRef, SnapshotMissing, LayerError: nothing to keep
             continue
+    expanded: set[Path] = set()
     while todo:
-        p = todo.pop()
-        if p in keep:
-            continue
+        p, follow = todo.pop()
         keep.add(p)
-        todo.extend(dependencies(p, snapshots_root, layers_root))
+        if not follow or p in expanded:
+            continue
+        expanded.add(p)
+        for dep in dependencies(p, snapshots_root, layers_root):
+            todo.append((dep, dep.parent == layers_root))
+    return keep
+
+
+def collect(snapshots_root: Path, layers_root: Path, roots: Iterable[str]) -> list[Path]:
+    """Delete every snapshot and layer no root reaches; returns what was deleted. Raises
+    ``DependenciesUnknown`` (having deleted nothing) when a reachable snapshot's or layer's
+    own dependencies cannot be read."""
+    keep = reachable(snapshots_root, layers_root, roots)
     removed = []
     if snapshots_root.is_dir():
         for entry in snapshots_root.iterdir():

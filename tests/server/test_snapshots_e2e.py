@@ -157,6 +157,24 @@ def test_snapshot_files_are_freed_once_nothing_depends_on_them(sdk) -> None:
     assert on_disk() - before == set()
 
 
+def test_deleting_a_snapshot_keeps_what_its_running_source_now_writes_on(sdk) -> None:
+    """After a running snapshot the source VM's disk is an overlay on the snapshot's file
+    and its next capture builds on the snapshot: deleting the snapshot must not delete
+    those files while the source runs (its pause would name files that are gone)."""
+    src = Sandbox.create("base")
+    try:
+        src.files.write("/home/user/before", "1")
+        snap = src.create_snapshot()
+        assert Sandbox.delete_snapshot(snap.snapshot_id)
+        src.files.write("/home/user/after", "2")
+        assert src.pause()
+        src.connect()
+        assert src.files.read("/home/user/before") == "1"
+        assert src.files.read("/home/user/after") == "2"
+    finally:
+        src.kill()
+
+
 def test_ttl_pauses_and_traffic_resumes_when_asked_to(sdk) -> None:
     sbx = Sandbox.create("base", timeout=3,
                          lifecycle={"on_timeout": "pause", "auto_resume": True})
