@@ -31,6 +31,8 @@ from ..config import DEFAULT_URL, ClientSettings, Settings, SettingsError
 def _url_option() -> Any:
     """``--url``: None unless given, so ``ClientSettings.url`` (its variables) stands."""
     _, var = ClientSettings.declared("url")
+    if var.flag is None:
+        raise TypeError("ClientSettings.url declares no flag= for --url")
     return typer.Option(None, var.flag, show_default=False,
                         help=f"aenv server URL (env {', else '.join(var.names)}; "
                              f"default {DEFAULT_URL})")

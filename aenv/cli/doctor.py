@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import platform
 import shutil
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -18,7 +19,7 @@ def register(app: typer.Typer) -> None:
     app.command()(doctor)
 
 
-def _free_disk(path) -> str:
+def _free_disk(path: Path) -> str:
     probe = path
     while not probe.exists():
         probe = probe.parent

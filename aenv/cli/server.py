@@ -63,6 +63,8 @@ def _flag(name: str, **options: Any) -> Any:
     """The option for setting ``name`` (its ``flag=`` in aenv.config): None unless given,
     so the settings' value stands (the variable's, else the declared default)."""
     f, var = Settings.declared(name)
+    if var.flag is None:
+        raise TypeError(f"setting {name!r} declares no flag= (aenv.config): no option")
     default = (var.shown or Settings.default_text(f) or "unset").replace("`", "")
     return typer.Option(None, var.flag, show_default=False, **options,
                         help=f"{var.doc.replace('`', '')} (env {var.name}, default {default})")

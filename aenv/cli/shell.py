@@ -22,7 +22,7 @@ import os
 import signal
 import termios
 import tty
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 from ..client.envd import EnvdClient, EnvdError, ProcessEvent, PtySize
 
@@ -62,7 +62,7 @@ async def _drain(queue: asyncio.Queue[bytes | None]) -> AsyncIterator[bytes]:
 
 
 @contextlib.contextmanager
-def raw_mode(fd: int):
+def raw_mode(fd: int) -> Iterator[None]:
     """Raw mode on a terminal ``fd`` for the block; the previous settings come back on
     any exit. A non-terminal ``fd`` is left alone."""
     if not os.isatty(fd):
@@ -92,7 +92,7 @@ async def run_shell(envd: EnvdClient, *, user: str | None = None, cwd: str | Non
             raise EnvdError("the shell's stream did not open with a start event")
         pid = first.pid
         queue: asyncio.Queue[bytes | None] = asyncio.Queue()
-        pending: set[asyncio.Task] = set()
+        pending: set[asyncio.Task[None]] = set()
 
         def on_input() -> None:
             data = os.read(stdin_fd, 65536)

@@ -128,7 +128,7 @@ class BuildView:
         if step:
             label = f"step {step}/{self.total}" if step.isdigit() else step
             self.phase(f"building: {label}")
-        style = "red" if entry.get("level") == "error" else None
+        style = "red" if entry.get("level") == "error" else ""  # "": rich's plain text
         prefix = f"{_clock(entry.get('timestamp'))} " + (f"[{step}] " if step else "")
         self.progress.console.print(Text(prefix, style="dim") +
                                     Text(str(entry.get("message", "")), style=style))
