@@ -306,7 +306,8 @@ class EnvdClient:
         if self._own:
             await self.http.aclose()
 
-    def _headers(self, user: str | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
+    def _headers(self, user: str | None = None,
+                 extra: dict[str, str] | None = None) -> dict[str, str]:
         h = {**self.extra_headers, **_IDENTITY, **(extra or {})}
         if self.token:
             h["X-Access-Token"] = self.token
