@@ -37,7 +37,8 @@ class AccessTokenMiddleware:
 
 def header(scope: Scope, name: bytes) -> str | None:
     """First value of a (lower-case) request header, decoded as latin-1."""
-    for key, value in scope["headers"]:
+    headers: list[tuple[bytes, bytes]] = scope["headers"]
+    for key, value in headers:
         if key == name:
             return value.decode("latin-1")
     return None

@@ -13,8 +13,9 @@ codec ignores unknown fields, which is what the wire contract asks of a server.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from connectrpc.code import Code
 from connectrpc.codec import proto_json_codec
@@ -23,7 +24,20 @@ from connectrpc.errors import ConnectError
 from connectrpc.method import IdempotencyLevel, MethodInfo
 from connectrpc.server import ConnectASGIApplication, Endpoint
 
-_KINDS = {
+if TYPE_CHECKING:
+    # connectrpc exports only the base class; its ASGI app takes the closed union of the
+    # four kinds (connectrpc._server_async.Endpoint, a private alias).
+    from connectrpc._server_shared import (
+        EndpointBidiStream,
+        EndpointClientStream,
+        EndpointServerStream,
+        EndpointUnary,
+    )
+
+    AnyEndpoint = (EndpointUnary[Any, Any] | EndpointServerStream[Any, Any]
+                   | EndpointClientStream[Any, Any] | EndpointBidiStream[Any, Any])
+
+_KINDS: dict[str, Callable[..., AnyEndpoint]] = {
     "unary": Endpoint.unary,
     "server_streaming": Endpoint.server_stream,
     "client_streaming": Endpoint.client_stream,
@@ -66,8 +80,8 @@ class ConnectService(ConnectASGIApplication[Any]):
         desc = next(s for s in pb.desc().services if s.type_name == type_name)
         self._path = f"/{type_name}"
 
-        def endpoints(svc: object) -> dict[str, Endpoint]:
-            table = {}
+        def endpoints(svc: object) -> dict[str, AnyEndpoint]:
+            table: dict[str, AnyEndpoint] = {}
             for m in desc.methods:
                 info = MethodInfo(
                     name=m.name,

@@ -40,6 +40,7 @@ import stat
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from email.utils import formatdate, parsedate_to_datetime
+from typing import Literal
 
 from starlette.datastructures import Headers
 from starlette.types import Receive, Scope, Send
@@ -137,7 +138,7 @@ def _parse_date(value: str | None) -> int | None:
         return None
 
 
-def _single_range(header: str, size: int) -> tuple[int, int] | str | None:
+def _single_range(header: str, size: int) -> tuple[int, int] | Literal["unsatisfiable"] | None:
     """(start, end inclusive), None to ignore the header, or "unsatisfiable"."""
     unit, _, spec = header.partition("=")
     if unit.strip().lower() != "bytes" or "," in spec:
@@ -174,7 +175,8 @@ class FileDownload:
             "vary": "Accept-Encoding",
         }
         self.name_param = name_param
-        self._inflight: asyncio.Future | None = None  # a read still running in a worker
+        # a read still running in a worker: (bytes read, bytes to send, more may follow)
+        self._inflight: asyncio.Future[tuple[int, bytes, bool]] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -197,7 +199,7 @@ class FileDownload:
             os.close(fd)
             return
 
-        def close(f: asyncio.Future) -> None:
+        def close(f: asyncio.Future[tuple[int, bytes, bool]]) -> None:
             if not f.cancelled():
                 f.exception()  # retrieved: a late read error is of no interest now
             os.close(fd)
@@ -313,6 +315,7 @@ class FileDownload:
 
         try:
             total = 0
+            pending: asyncio.Future[tuple[int, bytes, bool]] | None
             pending = self._inflight = loop.run_in_executor(executor, work)
             while pending is not None:
                 try:

@@ -58,7 +58,7 @@ class GzipEncoder:
 def _stored_blocks(data: bytes) -> bytes:
     """Non-final stored deflate blocks holding ``data`` (the stream is byte-aligned here)."""
     view = memoryview(data)
-    parts = []
+    parts: list[bytes | memoryview] = []
     for start in range(0, len(data), _STORED_MAX):
         block = view[start : start + _STORED_MAX]
         parts.append(struct.pack("<BHH", 0, len(block), len(block) ^ 0xFFFF))

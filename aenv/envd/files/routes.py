@@ -127,7 +127,7 @@ def routes(state: EnvdState, *, require_signature_expiration: bool | None = None
     strict = (signing.expiration_required_by_env() if require_signature_expiration is None
               else require_signature_expiration)
 
-    async def download(request: Request) -> Response:
+    async def download(request: Request) -> Response | FileDownload:
         try:
             q = _Query.of(request)
             user = _authorize(state, request, q, "read", strict)

@@ -63,7 +63,7 @@ def _raise_errno(what: str, path: str | None = None) -> None:
 
 class Inotify:
     def __init__(self) -> None:
-        fd = _libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
+        fd: int = _libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
         if fd < 0:
             _raise_errno("inotify_init1")
         self._fd = fd
@@ -73,7 +73,7 @@ class Inotify:
 
     def add_watch(self, path: str, mask: int) -> int:
         """Watch ``path`` (symlinks followed); re-adding a watched inode returns its wd."""
-        wd = _libc.inotify_add_watch(self._fd, os.fsencode(path), mask)
+        wd: int = _libc.inotify_add_watch(self._fd, os.fsencode(path), mask)
         if wd < 0:
             _raise_errno("inotify_add_watch", path)
         return wd

@@ -26,6 +26,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
+from typing import Any, Literal
 
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
@@ -59,6 +60,8 @@ _CODES: dict[type[FilesystemError], Code] = {
     PermissionDenied: Code.PERMISSION_DENIED,
 }
 _ID_ALPHABET = string.ascii_lowercase + string.digits
+# A call's context: its headers and deadline are all this service reads of it.
+Ctx = RequestContext[Any, Any]
 
 
 @contextmanager
@@ -70,7 +73,7 @@ def _as_connect() -> Iterator[None]:
         raise ConnectError(_CODES.get(type(e), Code.INTERNAL), e.message) from None
 
 
-def request_user(state: EnvdState, ctx: RequestContext) -> User:
+def request_user(state: EnvdState, ctx: Ctx) -> User:
     """The Basic-auth user of the call, else the default user. ``unauthenticated`` if unknown."""
     name = basic_auth_user(ctx.request_headers.get("authorization"))
     try:
@@ -121,7 +124,7 @@ def _ignore_vanished(_func: object, _path: str, exc: BaseException) -> None:
         raise exc
 
 
-def keepalive_interval(ctx: RequestContext) -> float:
+def keepalive_interval(ctx: Ctx) -> float:
     """Seconds between keepalives: the ``Keepalive-Ping-Interval`` header, else 90."""
     try:
         value = float(int(ctx.request_headers.get("keepalive-ping-interval", "")))
@@ -139,16 +142,16 @@ class FilesystemService:
         self.state = state
         self._watchers: dict[str, DirWatcher] = {}
 
-    def _resolve(self, ctx: RequestContext, path: str) -> tuple[User, str]:
+    def _resolve(self, ctx: Ctx, path: str) -> tuple[User, str]:
         user = request_user(self.state, ctx)
         return user, resolve_path(path, user, self.state.default_workdir)
 
-    async def stat(self, request: pb.StatRequest, ctx: RequestContext) -> pb.StatResponse:
+    async def stat(self, request: pb.StatRequest, ctx: Ctx) -> pb.StatResponse:
         _, path = self._resolve(ctx, request.path)
         with _as_connect():
             return pb.StatResponse(entry=stat_entry(path))
 
-    async def make_dir(self, request: pb.MakeDirRequest, ctx: RequestContext) -> pb.MakeDirResponse:
+    async def make_dir(self, request: pb.MakeDirRequest, ctx: Ctx) -> pb.MakeDirResponse:
         user, path = self._resolve(ctx, request.path)
         with _as_connect():
             try:
@@ -164,7 +167,7 @@ class FilesystemService:
             ensure_dirs(path, user.uid, user.gid)
             return pb.MakeDirResponse(entry=stat_entry(path))
 
-    async def move(self, request: pb.MoveRequest, ctx: RequestContext) -> pb.MoveResponse:
+    async def move(self, request: pb.MoveRequest, ctx: Ctx) -> pb.MoveResponse:
         user, source = self._resolve(ctx, request.source)
         destination = resolve_path(request.destination, user, self.state.default_workdir)
         with _as_connect():
@@ -177,13 +180,13 @@ class FilesystemService:
                 raise from_os_error(e, "error renaming") from None
             return pb.MoveResponse(entry=stat_entry(destination))
 
-    async def list_dir(self, request: pb.ListDirRequest, ctx: RequestContext) -> pb.ListDirResponse:
+    async def list_dir(self, request: pb.ListDirRequest, ctx: Ctx) -> pb.ListDirResponse:
         _, path = self._resolve(ctx, request.path)
         with _as_connect():
             entries = await asyncio.to_thread(list_dir, path, request.depth)
         return pb.ListDirResponse(entries=entries)
 
-    async def remove(self, request: pb.RemoveRequest, ctx: RequestContext) -> pb.RemoveResponse:
+    async def remove(self, request: pb.RemoveRequest, ctx: Ctx) -> pb.RemoveResponse:
         _, path = self._resolve(ctx, request.path)
         with _as_connect():
             await asyncio.to_thread(remove_all, path)
@@ -192,7 +195,7 @@ class FilesystemService:
     # -- watching ---------------------------------------------------------------------
 
     async def _open_watcher(
-        self, ctx: RequestContext, req: pb.WatchDirRequest | pb.CreateWatcherRequest
+        self, ctx: Ctx, req: pb.WatchDirRequest | pb.CreateWatcherRequest
     ) -> DirWatcher:
         _, path = self._resolve(ctx, req.path)
         with _as_connect():
@@ -218,14 +221,16 @@ class FilesystemService:
         return watcher
 
     async def watch_dir(
-        self, request: pb.WatchDirRequest, ctx: RequestContext
+        self, request: pb.WatchDirRequest, ctx: Ctx
     ) -> AsyncIterator[pb.WatchDirResponse]:
         remaining_ms = ctx.timeout_ms
         deadline = None if remaining_ms is None else time.monotonic() + remaining_ms / 1000
         interval = keepalive_interval(ctx)
         watcher = await self._open_watcher(ctx, request)
         try:
-            yield pb.WatchDirResponse(event=Oneof("start", pb.WatchDirResponse.StartEvent()))
+            start: Oneof[Literal["start"], pb.WatchDirResponse.StartEvent] = Oneof(
+                "start", pb.WatchDirResponse.StartEvent())
+            yield pb.WatchDirResponse(event=start)
             while True:
                 wait = interval
                 if deadline is not None:
@@ -236,16 +241,18 @@ class FilesystemService:
                 with _as_connect():
                     events = await watcher.wait(wait)
                 for event in events:
-                    yield pb.WatchDirResponse(event=Oneof("filesystem", event))
+                    change: Oneof[Literal["filesystem"], pb.FilesystemEvent] = Oneof(
+                        "filesystem", event)
+                    yield pb.WatchDirResponse(event=change)
                 if not events and (deadline is None or time.monotonic() < deadline):
-                    yield pb.WatchDirResponse(
-                        event=Oneof("keepalive", pb.WatchDirResponse.KeepAlive())
-                    )
+                    keepalive: Oneof[Literal["keepalive"], pb.WatchDirResponse.KeepAlive] = \
+                        Oneof("keepalive", pb.WatchDirResponse.KeepAlive())
+                    yield pb.WatchDirResponse(event=keepalive)
         finally:
             watcher.close()
 
     async def create_watcher(
-        self, request: pb.CreateWatcherRequest, ctx: RequestContext
+        self, request: pb.CreateWatcherRequest, ctx: Ctx
     ) -> pb.CreateWatcherResponse:
         watcher = await self._open_watcher(ctx, request)
         watcher_id = _new_watcher_id()
@@ -253,7 +260,7 @@ class FilesystemService:
         return pb.CreateWatcherResponse(watcher_id=watcher_id)
 
     async def get_watcher_events(
-        self, request: pb.GetWatcherEventsRequest, ctx: RequestContext
+        self, request: pb.GetWatcherEventsRequest, ctx: Ctx
     ) -> pb.GetWatcherEventsResponse:
         watcher = self._watcher(request.watcher_id)
         watcher.drain()
@@ -261,7 +268,7 @@ class FilesystemService:
             return pb.GetWatcherEventsResponse(events=watcher.take())
 
     async def remove_watcher(
-        self, request: pb.RemoveWatcherRequest, ctx: RequestContext
+        self, request: pb.RemoveWatcherRequest, ctx: Ctx
     ) -> pb.RemoveWatcherResponse:
         watcher = self._watcher(request.watcher_id)
         del self._watchers[request.watcher_id]
