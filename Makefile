@@ -27,8 +27,10 @@ e2b-suite: setup
 proto:
 	cd aenv/envd/proto && PATH=$(CURDIR)/$(VENV)/bin:$$PATH protoc -I. -I/usr/include --py_out=. process.proto filesystem.proto
 
+# ruff, then mypy --strict on aenv/ (configured in pyproject.toml's [tool.mypy]).
 lint:
 	$(VENV)/bin/ruff check aenv tests benchmarks
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) .venv-e2b-2.7 tests/js/node_modules .pytest_cache
