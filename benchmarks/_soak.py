@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 from aenv.config import Settings
 from aenv.network.addressing import Addressing
-from aenv.storage import disk_layers, snapshot_store
+from aenv.storage import disks, snapshot_store
 from aenv.store import Database, SandboxStore, TemplateStore
 from benchmarks._server import VMServer
 
@@ -249,39 +249,9 @@ def host_objects(settings: Settings) -> dict[str, list[str]]:
 
 
 def reachable(settings: Settings, roots: set[str]) -> set[Path]:
-    """Snapshot directories and layer files reachable from ``roots`` (the walk of
-    ``snapshot_store.collect``, deleting nothing)."""
-    snaps, layers = settings.snapshots_dir, settings.layers_dir
-    todo: list[Path] = []
-    for r in roots:
-        try:
-            if r.startswith(snapshot_store.SNAPSHOT):
-                todo.append(snapshot_store.directory(snaps, r))
-            elif r.startswith("layer:"):
-                todo.append(disk_layers.resolve(r, layers).path)
-        except Exception:
-            continue
-    keep: set[Path] = set()
-    while todo:
-        p = todo.pop()
-        if p in keep:
-            continue
-        keep.add(p)
-        todo.extend(snapshot_store.dependencies(p, snaps, layers))
-    return keep
-
-
-def qcow2_backing(path: Path) -> str | None:
-    """The backing file a qcow2 image names in its header (None: none, or not qcow2)."""
-    with open(path, "rb") as f:
-        head = f.read(20)
-        if len(head) < 20 or head[:4] != b"QFI\xfb":
-            return None
-        offset, size = int.from_bytes(head[8:16], "big"), int.from_bytes(head[16:20], "big")
-        if not offset:
-            return None
-        f.seek(offset)
-        return f.read(size).decode(errors="replace")
+    """Snapshot directories and layer files reachable from ``roots``: the server's own walk
+    (``snapshot_store.reachable``, what ``collect`` keeps), deleting nothing."""
+    return snapshot_store.reachable(settings.snapshots_dir, settings.layers_dir, roots)
 
 
 def dangling_overlays(settings: Settings) -> list[str]:
@@ -291,7 +261,7 @@ def dangling_overlays(settings: Settings) -> list[str]:
     out = []
     for e in sorted(d.iterdir()) if d.is_dir() else ():
         try:
-            backing = qcow2_backing(e)
+            backing = disks.qcow2_backing_file(e)
         except OSError:
             continue
         if backing and not os.path.exists(backing):

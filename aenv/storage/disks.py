@@ -148,7 +148,7 @@ OVERLAY_CACHE = ".overlays"
 _QCOW2_MAGIC = b"QFI\xfb"
 
 
-def _backing_name(path: Path) -> str | None:
+def qcow2_backing_file(path: Path) -> str | None:
     """The backing file a qcow2 header names (None: not a qcow2, or no backing file). The
     header's first 20 bytes give the name's offset and length (qcow2 spec, big-endian)."""
     with open(path, "rb") as f:
@@ -177,7 +177,7 @@ def prune_overlay_cache(cache_root: Path) -> list[Path]:
         if entry.suffix != ".qcow2":
             continue  # a ``.tmp-*`` of a create in progress
         try:
-            base = _backing_name(entry)
+            base = qcow2_backing_file(entry)
             stale = base is None or entry.stem not in {
                 _overlay_key(Path(base), fmt) for fmt in ("raw", "qcow2")}
         except FileNotFoundError:

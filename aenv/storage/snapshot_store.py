@@ -8,9 +8,10 @@ file; resuming it boots). ``layer:<id>`` names a committed template layer
 (``disk_layers``). Snapshots and layers reference their parents by absolute path (memory
 layers, qcow2 backing chains), so one is deleted only when no root reaches it; roots are
 what the store of record still uses (templates, paused sandboxes, what running sandboxes
-were restored from). A root keeps what its own manifest names and no more (``reachable``). Directories being written are ``.<id>.partial-*``; a crash leaves them
-behind and collection removes them — the caller serialises collection with snapshot writes.
-Collection fails closed: when what a kept snapshot or layer depends on cannot be read,
+were restored from). A root keeps what its own manifest names and no more (``reachable``).
+Directories being written are ``.<id>.partial-*``; a crash leaves them behind and collection
+removes them — the caller serialises collection with snapshot writes.
+Collection fails closed: when what a root (or a layer) depends on cannot be read,
 nothing is deleted in that pass.
 """
 

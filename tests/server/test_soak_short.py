@@ -11,7 +11,7 @@ from benchmarks.soak import run_soak
 
 pytestmark = [pytest.mark.vm, pytest.mark.net, pytest.mark.timeout(300)]
 
-KNOWN_LEAKS = ("overlay_cache_dangling", "snapshots_retained_unneeded")
+KNOWN_LEAKS: tuple[str, ...] = ()  # none known
 
 
 @pytest.fixture(scope="module")
@@ -34,18 +34,10 @@ def test_ten_cycles_leak_no_record_process_slot_or_file(soak) -> None:
                    if k not in KNOWN_LEAKS), soak["audits"]
 
 
-@pytest.mark.xfail(strict=True, reason="storage.disks._pristine_overlay caches an empty "
-                   "qcow2 in vms/.overlays for every snapshot a VM is restored from and never "
-                   "removes it: one ~192 KiB file per pause, snapshot or fork, left pointing "
-                   "at a snapshot that garbage collection deleted (cleared only by a restart)")
 def test_the_overlay_cache_keeps_no_overlay_of_a_deleted_snapshot(soak) -> None:
     assert soak["leaks"].get("overlay_cache_dangling", []) == []
 
 
-@pytest.mark.xfail(strict=True, reason="snapshot_store.collect keeps whole directories: a "
-                   "directory kept for its memory layer keeps its drive's backing chain, which "
-                   "reaches the snapshot before it, and so on; a sandbox that pauses, snapshots "
-                   "or forks keeps every capture of its life on disk until it is killed")
 def test_collection_keeps_only_what_the_live_lineage_reads(soak) -> None:
     held = [soak["retention_before_final_kill"]["retained_unneeded"],
             *(a["problems"].get("snapshots_retained_unneeded", 0) for a in soak["audits"])]
