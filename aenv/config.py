@@ -152,6 +152,15 @@ def _file(v: Path | None) -> str | None:
     return "is a directory, not a file" if v is not None and v.is_dir() else None
 
 
+def _registry_hosts(v: str | None) -> str | None:
+    for entry in (v or "").split(","):
+        entry = entry.strip()
+        if entry and not re.fullmatch(r"[A-Za-z0-9.-]+(:[0-9]{1,5})?|\[[0-9A-Fa-f:]+\](:[0-9]{1,5})?",
+                                      entry):
+            return f"has {entry!r}, which is not a host or host:port"
+    return None
+
+
 def _lower(raw: str) -> str:
     return raw.lower()
 
@@ -382,6 +391,18 @@ class Settings(_Declared):
         "AENV_RUNTIME", "qemu", check=_one_of(*RUNTIMES),
         doc="which VMM drives guests: `qemu` or `firecracker`")
 
+    # -- image pulls (aenv/storage/registry.py)
+    insecure_registries: str | None = setting(
+        "AENV_INSECURE_REGISTRIES", None, check=_registry_hosts,
+        doc="comma-separated `host[:port]`s pulled from over plain HTTP (or HTTPS without "
+            "verification); loopback registries need no entry")
+    registry_ca: Path | None = setting(
+        "AENV_REGISTRY_CA", None, check=_file,
+        doc="PEM file of CA certificates trusted for registries, besides the public ones")
+    layer_cache_mb: int = setting(
+        "AENV_LAYER_CACHE_MB", 20480, check=_at_least(0),
+        doc="MiB of pulled image blobs kept (least recently used go first)")
+
     # -- layout ---------------------------------------------------------------------------
 
     @cached_property
@@ -417,6 +438,11 @@ class Settings(_Declared):
     def cache_dir(self) -> Path:
         """Downloads and build scratch space (Debian packages, wheels, debootstrap trees)."""
         return self.artifacts / "cache"
+
+    @cached_property
+    def registry_blobs_dir(self) -> Path:
+        """Blobs pulled from registries (manifests, configs, layers) by digest, shared."""
+        return self.cache_dir / "registry-blobs"
 
     @cached_property
     def secrets_dir(self) -> Path:
