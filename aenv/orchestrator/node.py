@@ -1,7 +1,9 @@
 """``NodeMachines``: sandboxes as microVMs on this host.
 
 For each sandbox: a network slot from the pool, a copy-on-write disk over its template's
-image (the node's base image or a committed layer), a VM working directory under
+image (the node's base image, a built image or a committed layer; for an image without a
+guest layer of its own, the shared read-only tools drive as a second drive, and the boot
+arguments that make the initramfs mount it), a VM working directory under
 ``vms_dir/<sandbox id>``, the VMM booted through the configured runtime driver, and envd
 waited for and initialised (token, env vars, default user and workdir). Everything made is
 released again on failure, on kill, and for VMs found dead after a restart.
@@ -19,7 +21,7 @@ from pathlib import Path
 
 from ..client.envd import ENVD_PORT, EnvdClient
 from ..config import Settings
-from ..guest.bootargs import guest_boot_args
+from ..guest.bootargs import ToolsBoot, guest_boot_args
 from ..network import EgressPolicy, NetworkSlot, SlotPool, cleanup_leftovers
 from ..runtime import (
     VM,
@@ -36,9 +38,11 @@ from ..runtime import workdir as wd
 from ..runtime.ready import boot_until_ready
 from ..storage import disk_layers, disks, snapshot_store
 from ..storage.disks import Disk, create_disk
+from ..storage.errors import ImageError
 from ..storage.image_ref import ImageRef
-from ..storage.images import Image, ensure_base_image
+from ..storage.images import Image, ensure_base_image, image_by_digest
 from ..storage.kernel import Kernel, ensure_kernel
+from ..storage.tools_drive import ToolsDrive, disk_uses_tools, ensure_tools_drive
 from ..store import SandboxRecord, TemplateRecord
 from .errors import InvalidRequest
 from .machine import NodeResources, Placement
@@ -101,6 +105,7 @@ class NodeMachines:
         self.pool = SlotPool(settings, server_only=True, tap_gid=confine.VMM_GID)
         self.kernel: Kernel | None = None
         self.base: Image | None = None
+        self._tools: ToolsDrive | None = None  # built on the first boot that needs it
         self._running: dict[str, _Running] = {}
         # Snapshot writes and garbage collection never overlap (a half-written snapshot
         # is not yet anyone's root).
@@ -175,8 +180,34 @@ class NodeMachines:
             if disk is None:
                 raise InvalidRequest(f"{image} is a VM snapshot, not a disk")
             return disk.drive
+        if image.is_image:
+            try:
+                return image_by_digest(self.settings, image.id).path
+            except ImageError as e:
+                raise InvalidRequest(str(e)) from e
         assert self.base is not None, "prepare() first"
         return self.base.path
+
+    def _tools_boot(self, image: ImageRef, path: Path) -> ToolsBoot:
+        """Whether a cold boot of ``path`` (``image``'s disk) gets the tools drive: the base
+        image never, a built image when its manifest says so, a layer or disk snapshot as
+        the image its chain ends at says, or ("fallback") attached for the guest to use when
+        the chain does not tell (a raw disk snapshot)."""
+        assert self.kernel is not None, "prepare() first"
+        if image.is_base:
+            return False
+        uses = disk_uses_tools(self.settings, path)
+        if self.kernel.initrd is None:  # the small kernel: no initramfs to mount it
+            if uses:
+                raise InvalidRequest(f"{image} boots with the tools drive, which needs the "
+                                     "cloud kernel's initramfs")
+            return False
+        return "fallback" if uses is None else uses
+
+    async def _tools_drive(self) -> ToolsDrive:
+        if self._tools is None or not self._tools.path.is_file():
+            self._tools = await asyncio.to_thread(ensure_tools_drive, self.settings)
+        return self._tools
 
     def _snapshot_dir(self, ref: str | ImageRef) -> Path:
         return snapshot_store.directory(self.settings.snapshots_dir, ref)
@@ -240,13 +271,20 @@ class NodeMachines:
         vm: VM | None = None
         disk: Disk | None = None
         try:
-            disk = await asyncio.to_thread(create_disk, self._image_for(image), workdir)
+            source = self._image_for(image)
+            tools = await asyncio.to_thread(self._tools_boot, image, source)
+            disk = await asyncio.to_thread(create_disk, source, workdir)
+            drives = [Drive("rootfs", disk.path, format=disk.format)]
+            if tools:
+                # Shared by every VM, never copied: attached read-only by its path, which
+                # the VM's snapshots record (the drive is never deleted).
+                drives.append(Drive("tools", (await self._tools_drive()).path, read_only=True))
             timer.mark("disk")
             spec = VMSpec(
                 vm_id=rec.id, workdir=workdir, kernel=self.kernel.vmlinux,
-                initrd=self.kernel.initrd, boot_args=guest_boot_args(self.kernel),
+                initrd=self.kernel.initrd, boot_args=guest_boot_args(self.kernel, tools=tools),
                 vcpus=rec.cpu_count, memory_mib=rec.memory_mb,
-                drives=(Drive("rootfs", disk.path, format=disk.format),),
+                drives=tuple(drives),
                 tap=slot.tap_name, netns=slot.netns, mac=slot.guest_mac,
                 memory_file=wd.default_memory_file(rec.id, workdir, self.settings.name_prefix),
             )

@@ -9,6 +9,11 @@ and envd, and for the cloud kernel its ``/lib/modules``), and writes
 every input (name, source content, guest layer, kernel, size, builder version), so building
 the same input again is a cache hit and any change to envd's code gives a new image. Images
 are read-only once written: each VM gets its own copy-on-write disk over one.
+
+Two ways a guest gets envd (``Image.boot``): ``guest-layer`` images carry it in the image
+(``base`` does: the tree must be Debian-like with python3.11); ``tools`` images carry only
+E2B's ``user`` (``guest_user``) and the ``/.aenv`` mountpoint, and boot with the shared tools
+drive (``tools_drive``), so any tree, with any libc or none, becomes a guest.
 """
 
 from __future__ import annotations
@@ -25,10 +30,12 @@ import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from ..config import Settings
 from ..guest import base as recipe
-from . import debian, ext4, oci, tar_layers
+from ..guest import tools as tools_recipe
+from . import debian, ext4, guest_user, oci, tar_layers
 from ._fsutil import build_lock, scratch, staging
 from ._run import run
 from .errors import ImageError
@@ -39,6 +46,16 @@ BUILDER_VERSION = 1
 ROOTFS = "rootfs.ext4"
 MANIFEST = "image.json"
 BASE_NAME = "base"
+# How an image's guest gets envd: from the image itself, or from the tools drive.
+BOOT_GUEST_LAYER = "guest-layer"
+BOOT_TOOLS = "tools"
+# ``build_image``'s guest_layer: True (in the image), False (none: the tree as is) or
+# "tools" (the tools drive's).
+GuestLayer = bool | Literal["tools"]
+# Directories a root needs for the boot (mountpoints, /tmp): made when a tools image lacks
+# them, with their usual modes.
+_ROOT_DIRS = (("proc", 0o555), ("sys", 0o555), ("dev", 0o755), ("run", 0o755),
+              ("tmp", 0o1777), ("etc", 0o755), ("root", 0o700), ("home", 0o755))
 
 ProgressFn = Callable[[str], None]
 
@@ -53,6 +70,11 @@ class Image:
     kernel_version: str = ""  # the cloud kernel whose modules it carries ("" if none)
     built_at: float = 0.0
     source: str = ""  # what it was built from, for people
+    boot: str = BOOT_GUEST_LAYER  # BOOT_TOOLS: boots with the tools drive
+
+    @property
+    def uses_tools(self) -> bool:
+        return self.boot == BOOT_TOOLS
 
 
 def ensure_base_image(
@@ -88,48 +110,87 @@ def ensure_base_image(
 def build_image(
     settings: Settings,
     name: str,
-    source: Path,
+    source: Path | oci.OciImage,
     *,
     kernel_flavor: str = "cloud",
-    guest_layer: bool = True,
+    guest_layer: GuestLayer = True,
     size_bytes: int | None = None,
     progress: ProgressFn | None = None,
 ) -> Image:
-    """An image named ``name`` from a directory, rootfs tarball or OCI/docker image.
+    """An image named ``name`` from a directory, rootfs tarball or OCI/docker image (a path,
+    or an ``OciImage`` already opened, as a registry pull gives one).
 
-    With ``guest_layer`` the source must already hold Debian-like userland with python3.11,
-    tini, iproute2 and useradd (as the base image does); without it the tree is imaged as is.
+    ``guest_layer``: True puts aenv's guest layer into the image (the source must already
+    hold Debian-like userland with python3.11, tini, iproute2 and useradd, as the base
+    image does); ``"tools"`` makes any tree a guest that boots with the tools drive (only
+    the user and the ``/.aenv`` mountpoint are added; the cloud kernel is required, whose
+    initramfs mounts the drive); False images the tree as is.
     """
     say = progress or _quiet
-    source = source.resolve()
-    if not source.exists():
-        raise ImageError(f"image source {source} does not exist")
+    tools = guest_layer == "tools"
+    if tools and kernel_flavor != "cloud":
+        raise ImageError("images on the tools drive boot with the cloud kernel (its "
+                         f"initramfs mounts the drive), not {kernel_flavor!r}")
+    if isinstance(source, oci.OciImage):
+        kind, source_digest, shown = "oci", source.digest, f"oci {source.digest}"
+    else:
+        source = source.resolve()
+        if not source.exists():
+            raise ImageError(f"image source {source} does not exist")
+        kind, source_digest = _source_digest(source)
+        shown = f"{kind} {source}"
     kernel = (
         ensure_kernel(settings, "cloud", progress=say)
-        if guest_layer and kernel_flavor == "cloud" else None
+        if guest_layer is True and kernel_flavor == "cloud" else None
     )
-    kind, source_digest = _source_digest(source)
     digest = _image_digest(
         name, {"kind": kind, "source": source_digest}, kernel_flavor, kernel, guest_layer,
         size_bytes,
     )
 
     def populate(tree: Path) -> None:
-        say(f"unpacking {kind} {source}")
-        if kind == "dir":
+        say(f"unpacking {shown}")
+        if isinstance(source, oci.OciImage):
+            _apply_oci(tree, source, say)
+        elif kind == "dir":
             _copy_tree(source, tree)
         elif kind == "tar":
             tar_layers.apply_layer(tree, source)
         else:
             with oci.open_image(source, scratch=settings.cache_dir / "tmp") as image:
-                for i, layer in enumerate(image.layers, 1):
-                    say(f"applying layer {i}/{len(image.layers)}")
-                    tar_layers.apply_layer(tree, layer, whiteouts=True)
+                _apply_oci(tree, image, say)
 
     return _build(
         settings, name, digest, populate, kernel_flavor=kernel_flavor, kernel=kernel,
-        guest_layer=guest_layer, size_bytes=size_bytes, source=f"{kind} {source}", progress=say,
+        guest_layer=guest_layer, size_bytes=size_bytes, source=shown, progress=say,
     )
+
+
+def _apply_oci(tree: Path, image: oci.OciImage, say: ProgressFn) -> None:
+    for i, layer in enumerate(image.layers, 1):
+        say(f"applying layer {i}/{len(image.layers)}")
+        tar_layers.apply_layer(tree, layer, whiteouts=True)
+
+
+def image_by_digest(settings: Settings, digest: str) -> Image:
+    """The image whose digest is exactly ``digest`` (an ``image:<digest>`` reference)."""
+    if not digest or "/" in digest or digest.startswith("."):
+        raise ImageError(f"bad image digest {digest!r}")
+    directory = settings.images_dir / digest
+    if not (directory / MANIFEST).is_file():
+        raise ImageError(f"no image with digest {digest} in {settings.images_dir}")
+    return _read_manifest(directory)
+
+
+def image_of_file(settings: Settings, path: Path) -> Image | None:
+    """The image whose root filesystem ``path`` is, or None when it is no image's."""
+    try:
+        path = path.resolve()
+        if path.parent.parent != settings.images_dir.resolve():
+            return None
+        return _read_manifest(path.parent)
+    except (OSError, ImageError):
+        return None
 
 
 def list_images(settings: Settings) -> list[Image]:
@@ -191,19 +252,36 @@ def _sha256_json(value: object) -> str:
 
 
 def _image_digest(
-    name: str, source: dict[str, str], kernel_flavor: str, kernel: Kernel | None, guest_layer: bool,
-    size_bytes: int | None,
+    name: str, source: dict[str, str], kernel_flavor: str, kernel: Kernel | None,
+    guest_layer: GuestLayer, size_bytes: int | None,
 ) -> str:
-    return _sha256_json({
+    inputs: dict[str, object] = {
         "builder": BUILDER_VERSION,
         "name": name,
         "source": source,
         "kernel_flavor": kernel_flavor,
         "kernel_version": kernel.version if kernel and kernel.modules else "",
-        "guest_layer": recipe.guest_layer_digest() if guest_layer else "",
-        "envd_site": _envd_site_key() if guest_layer else "",
+        "guest_layer": recipe.guest_layer_digest() if guest_layer is True else "",
+        "envd_site": _envd_site_key() if guest_layer is True else "",
         "size": size_bytes or 0,
-    })
+    }
+    if guest_layer == "tools":
+        # What a tools image adds does not change with envd: the same tree stays the same
+        # image across aenv versions (envd comes from the drive).
+        inputs["boot"] = {"tools": _TOOLS_IMAGE_VERSION, "user": recipe.USER,
+                          "uid": recipe.USER_UID, "mountpoint": tools_recipe.PREFIX}
+    return _sha256_json(inputs)
+
+
+def base_tree_key() -> str:
+    """The cache key of the base recipe's Debian tree (the tools drive is made from it)."""
+    return _base_tree_key(list(recipe.BASE_PACKAGES))
+
+
+def base_debian_tree(settings: Settings, progress: ProgressFn | None = None) -> Path:
+    """The base recipe's cached Debian tree, made on a miss (read it, never write it)."""
+    packages = list(recipe.BASE_PACKAGES)
+    return _debootstrap_tree(settings, _base_tree_key(packages), packages, progress or _quiet)
 
 
 def _base_tree_key(packages: Sequence[str]) -> str:
@@ -266,7 +344,7 @@ def _build(
     *,
     kernel_flavor: str,
     kernel: Kernel | None,
-    guest_layer: bool,
+    guest_layer: GuestLayer,
     size_bytes: int | None,
     source: str,
     progress: ProgressFn,
@@ -280,8 +358,11 @@ def _build(
             return _read_manifest(final)
         with staging(final) as out, scratch(settings.cache_dir / "trees") as tree:
             populate(tree)
-            extra: dict[str, object] = {}
-            if guest_layer:
+            extra: dict[str, object] = {"boot": BOOT_GUEST_LAYER}
+            if guest_layer == "tools":
+                extra["boot"] = BOOT_TOOLS
+                extra["user"] = dataclasses.asdict(_prepare_tools_root(tree, progress))
+            elif guest_layer:
                 extra["envd_packages"] = _install_guest_layer(settings, tree, kernel, progress)
             progress("writing the ext4 image")
             size = ext4.make_ext4(tree, out / ROOTFS, size_bytes=size_bytes, seed=digest)
@@ -313,6 +394,7 @@ def _read_manifest(directory: Path) -> Image:
             kernel_version=data.get("kernel_version", ""),
             built_at=float(data.get("built_at", 0)),
             source=data.get("source", ""),
+            boot=data.get("boot", BOOT_GUEST_LAYER),
         )
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ImageError(f"bad image manifest in {directory}: {e}") from None
@@ -329,6 +411,11 @@ def _require_root() -> None:
 
 def _quiet(_: str) -> None:
     pass
+
+
+def copy_tree(src: Path, dst: Path) -> None:
+    """Copy the contents of ``src`` into ``dst`` keeping everything (reflinks where possible)."""
+    _copy_tree(src, dst)
 
 
 def _copy_tree(src: Path, dst: Path) -> None:
@@ -423,6 +510,34 @@ def _install_node(tree: Path, wheel: Path, dist: recipe.NodeDist) -> None:
             os.lchown(os.path.join(dirpath, name), 0, 0)
 
 
+# -- tools images -----------------------------------------------------------------------------
+
+# Bump when what a tools image adds to its tree changes.
+_TOOLS_IMAGE_VERSION = 1
+
+
+def _prepare_tools_root(tree: Path, progress: ProgressFn) -> guest_user.GuestUser:
+    """What a tree needs to boot with the tools drive: the mountpoint (``/.aenv``, empty),
+    the directories the init mounts over or a user writes to, and E2B's user."""
+    progress(f"adding {recipe.USER} and the tools mountpoint")
+    for name, mode in _ROOT_DIRS:
+        path = Path(tar_layers.resolve(tree, name))
+        if not os.path.lexists(path):
+            path.mkdir(parents=True)
+            os.chown(path, 0, 0)
+            os.chmod(path, mode)
+    mountpoint = Path(tar_layers.resolve(tree, tools_recipe.PREFIX.lstrip("/"),
+                                         follow_last=False))
+    if mountpoint.is_symlink() or (os.path.lexists(mountpoint) and not mountpoint.is_dir()):
+        mountpoint.unlink()
+    elif mountpoint.is_dir():
+        shutil.rmtree(mountpoint)  # the image's own /.aenv would be hidden by the drive
+    mountpoint.mkdir()
+    os.chown(mountpoint, 0, 0)
+    os.chmod(mountpoint, 0o755)
+    return guest_user.add_user(tree, recipe.USER, uid=recipe.USER_UID)
+
+
 # -- guest layer ------------------------------------------------------------------------------
 
 _WHEEL_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
@@ -480,6 +595,16 @@ def _host_constraints() -> list[str]:
         if name and dist.version and name.lower() != "aenv":
             pins.add(f"{name}=={dist.version}")
     return sorted(pins)
+
+
+def envd_site_key() -> str:
+    """The cache key of envd's dependencies installed for the guest's Python."""
+    return _envd_site_key()
+
+
+def envd_site(settings: Settings, progress: ProgressFn | None = None) -> Path:
+    """envd's dependencies installed for the guest's Python (cached; read, never write)."""
+    return _envd_site(settings, progress or _quiet)
 
 
 def _envd_site_key() -> str:

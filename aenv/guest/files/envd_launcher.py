@@ -1,5 +1,6 @@
 #!/usr/bin/python3 -S
-"""envd's entry point in a guest (``/opt/aenv/bin/envd``): import once, fork the server.
+"""envd's entry point in a guest (``/opt/aenv/bin/envd``, ``/.aenv/bin/envd`` on the tools
+drive): import once, fork the server.
 
 Importing envd and its dependencies is most of envd's start-up cost under emulation (over a
 second even with a warm page cache), so this process pays it once and then forks the actual
@@ -25,7 +26,9 @@ import signal
 import sys
 import time
 
-PYTHON_DIR = "/opt/aenv/python"
+# envd's site and sources: ``python/`` beside this file's ``bin/`` (``/opt/aenv/python`` in
+# the base image, ``/.aenv/python`` on the tools drive).
+PYTHON_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python")
 # A server that dies sooner than this after its fork is restarted only after BACKOFF_S,
 # so a crash at start-up does not spin the CPU.
 MIN_LIFETIME_S = 1.0
