@@ -11,6 +11,7 @@ resume of the busybox sandbox.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,7 @@ from e2b.sandbox.filesystem.watch_handle import FilesystemEventType
 
 from aenv.config import Settings
 from aenv.storage.images import Image, build_image
+from aenv.storage.tools_drive import ensure_tools_drive
 from aenv.store import Database, TemplateStore
 from aenv.store.records import TemplateRecord
 from aenv.store.states import BuildStatus, TemplateKind
@@ -181,9 +183,18 @@ def test_aenvtd_the_tools_drive_is_mounted_read_only(busybox: Sandbox) -> None:
         busybox.commands.run("touch /.aenv/x", user="root")
 
 
-def test_aenvtd_busybox_pauses_and_resumes_with_its_memory(busybox: Sandbox) -> None:
+def test_aenvtd_busybox_pauses_and_resumes_with_its_memory(busybox: Sandbox,
+                                                          server: ServerProcess) -> None:
     busybox.commands.run("echo kept > /home/user/before-pause; sleep 3600 >/dev/null 2>&1 &")
     assert busybox.pause()
+    # The snapshot names the shared tools drive by its path (read-only: never copied).
+    tools = ensure_tools_drive(Settings.from_env())
+    captured = [{d["id"]: d for d in json.loads(m.read_text())["drives"]}
+                for m in (server.home / "snapshots").glob("*/snapshot.json")]
+    (drives,) = [d for d in captured if "tools" in d]  # the pause's (not base's snapshot)
+    assert drives["tools"]["read_only"] is True
+    assert Path(drives["tools"]["path"]) == tools.path.resolve()
+    assert drives["rootfs"]["read_only"] is False
     resumed = Sandbox.connect(busybox.sandbox_id, timeout=900)
     assert resumed.files.read("/home/user/before-pause") == "kept\n"
     result = resumed.commands.run("echo after-resume; pidof sleep >/dev/null && echo alive")
