@@ -101,6 +101,9 @@ def image_build(
     size_mib: int | None = typer.Option(None, "--size-mib", help="default: 4 GiB or more"),
     guest: bool = typer.Option(True, "--guest/--no-guest",
                                help="add aenv's init and envd (the source needs python3.11)"),
+    tools: bool = typer.Option(False, "--tools",
+                               help="any tree (no Python, musl, no libc): envd comes from "
+                                    "the shared tools drive at boot (cloud kernel)"),
 ) -> None:
     """Build (or find in the cache) a root-filesystem image."""
     from ..storage.errors import StorageError
@@ -115,12 +118,14 @@ def image_build(
                                           size_bytes=size)
             else:
                 image = build_image(_settings(), name or source.name, source,
-                                    kernel_flavor=kernel_flavor, guest_layer=guest,
+                                    kernel_flavor=kernel_flavor,
+                                    guest_layer="tools" if tools else guest,
                                     size_bytes=size, progress=steps)
     except StorageError as e:
         _fail(e)
     Console().print(f"{image.name} {image.digest[:12]} {image.path} "
-                    f"({time.monotonic() - t0:.1f} s)")
+                    f"({time.monotonic() - t0:.1f} s)"
+                    + (f"; a template names it image:{image.digest}" if image.uses_tools else ""))
 
 
 @image_app.command("ls")
