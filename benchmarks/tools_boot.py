@@ -1,0 +1,126 @@
+"""Cold boot to envd ``/health`` of an image on the tools drive vs the ``base`` image.
+
+Run as root: ``.venv/bin/python benchmarks/tools_boot.py [--runs 5] [--image NAME]``. Boots,
+alternately, the ``base`` image (envd in the image) and a tools image (envd from the shared
+read-only tools drive; default: the static busybox image of ``tests/guest/tools_images``,
+built on first use) under the qemu driver in a real network slot, with the cloud kernel,
+and prints one JSON object with the p50 of each phase (seconds, as ``vm_boot.py`` splits a
+boot at the console markers) for both. Own name prefix and address ranges; every VM, disk
+and slot it made is removed, also when a boot fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from aenv.client.envd import ENVD_PORT
+from aenv.config import Settings
+from aenv.guest.bootargs import guest_boot_args
+from aenv.network import SlotPool
+from aenv.runtime import Drive, VMSpec, get_runtime
+from aenv.runtime import workdir as wd
+from aenv.runtime.kvm import host_accel
+from aenv.runtime.ready import BootPhases, boot_until_ready
+from aenv.storage.disks import create_disk
+from aenv.storage.images import Image, build_image, ensure_base_image, find_image
+from aenv.storage.kernel import Kernel, ensure_kernel
+from aenv.storage.tools_drive import ensure_tools_drive
+from benchmarks._common import emit
+
+PHASES = ("vmm_to_qmp", "kernel_to_init", "init_to_envd_exec", "envd_exec_to_health", "total")
+
+
+async def boot_once(settings: Settings, pool: SlotPool, kernel: Kernel, image: Image,
+                    tools: Path | None, name: str, memory_mib: int) -> BootPhases:
+    slot = await asyncio.to_thread(pool.acquire)
+    workdir = settings.vms_dir / name
+    try:
+        disk = create_disk(image.path, workdir)
+        drives = [Drive("rootfs", disk.path, format=disk.format)]
+        if tools is not None:
+            drives.append(Drive("tools", tools, read_only=True))
+        spec = VMSpec(
+            vm_id=name, workdir=workdir, kernel=kernel.vmlinux, initrd=kernel.initrd,
+            boot_args=guest_boot_args(kernel, tools=tools is not None), memory_mib=memory_mib,
+            drives=tuple(drives), tap=slot.tap_name, netns=slot.netns, mac=slot.guest_mac,
+            memory_file=wd.default_memory_file(name, workdir, settings.name_prefix),
+        )
+        vm, phases = await boot_until_ready(get_runtime("qemu"), spec,
+                                            f"http://{slot.host_ip}:{ENVD_PORT}")
+        await vm.stop()
+        return phases
+    finally:
+        wd.remove(workdir)
+        await asyncio.to_thread(pool.release, slot)
+
+
+def tools_image(settings: Settings, name: str | None) -> Image:
+    if name:
+        image = find_image(settings, name)
+        if not image.uses_tools:
+            sys.exit(f"{name} does not boot with the tools drive")
+        return image
+    from tests.guest.tools_images import busybox_tree
+
+    with tempfile.TemporaryDirectory(dir=settings.cache_dir) as tmp:
+        tree = busybox_tree(settings, Path(tmp) / "busybox")
+        return build_image(settings, "aenvtd-busybox", tree, guest_layer="tools")
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--image", help="a built tools image (default: the busybox test image)")
+    ap.add_argument("--memory-mib", type=int, default=512)
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("tools_boot.py needs root (network namespaces and taps)")
+    settings = dataclasses.replace(
+        Settings.from_env(), name_prefix=f"at{os.getpid() % 10000:04d}",
+        host_cidr="10.96.0.0/24", veth_cidr="10.96.1.0/24", warm_slots=1,
+    )
+    kernel = ensure_kernel(settings, "cloud")
+    images = {"base": (ensure_base_image(settings, kernel_flavor="cloud"), None)}
+    drive = ensure_tools_drive(settings)
+    tools = tools_image(settings, args.image)
+    images[tools.name] = (tools, drive.path)
+    samples: dict[str, list[dict[str, float]]] = {k: [] for k in images}
+    pool = SlotPool(settings, warm_size=1)
+    await asyncio.to_thread(pool.start)
+    try:
+        for i in range(args.runs):
+            for key, (image, tools_path) in images.items():
+                phases = await boot_once(settings, pool, kernel, image, tools_path,
+                                         f"bench-{key}-{i}", args.memory_mib)
+                samples[key].append({p: round(getattr(phases, p), 3) for p in PHASES})
+                print(f"{key} run {i + 1}/{args.runs}: {samples[key][-1]['total']:.2f} s",
+                      file=sys.stderr)
+    finally:
+        await asyncio.to_thread(pool.close)
+    emit({
+        "benchmark": "tools_boot",
+        "runtime": "qemu",
+        "accel": host_accel().accel,
+        "runs": args.runs,
+        "kernel": kernel.version,
+        "tools_drive": {"digest": drive.digest[:12], "size_bytes": drive.size_bytes},
+        "note": "2 shared host cores: expect +-20% between runs",
+        "images": {key: {
+            "image": images[key][0].digest[:12],
+            "p50": {p: round(statistics.median(s[p] for s in runs), 3) for p in PHASES},
+            "samples": runs,
+        } for key, runs in samples.items()},
+    })
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
