@@ -204,3 +204,32 @@ def test_the_scripts_run_python_and_setpriv_as_the_recipe_says() -> None:
     assert f"export PATH={tools.GUEST_PATH}\n" in init
     code = [line for line in (supervise + init).splitlines() if not line.startswith("#")]
     assert not [line for line in code if "LD_LIBRARY_PATH" in line or "PYTHON" in line]
+
+
+# -- the node's decision --------------------------------------------------------------------
+
+
+def test_the_node_attaches_the_drive_to_tools_images_only(tmp_path: Path) -> None:
+    from aenv.orchestrator.errors import InvalidRequest
+    from aenv.orchestrator.node import NodeMachines
+
+    settings = Settings(home=tmp_path / "home", cache_home=tmp_path / "artifacts",
+                        name_prefix="aenvtdu")
+    machines = NodeMachines(settings)
+    tools_image = _image_dir(settings, "a" * 64, "tools")
+    plain_image = _image_dir(settings, "b" * 64, "guest-layer")
+    machines.kernel = _kernel(tmp_path, True)
+    tools_ref, plain_ref = ImageRef.image("a" * 64), ImageRef.image("b" * 64)
+    assert machines._image_for(tools_ref) == tools_image
+    assert machines._tools_boot(tools_ref, tools_image) is True
+    assert machines._tools_boot(plain_ref, plain_image) is False
+    assert machines._tools_boot(ImageRef.parse(None), plain_image) is False
+    raw = tmp_path / "disk.raw"
+    raw.write_bytes(b"")
+    assert machines._tools_boot(ImageRef.snapshot("s1"), raw) == "fallback"
+    with pytest.raises(InvalidRequest, match="no image with digest"):
+        machines._image_for(ImageRef.image("c" * 64))
+    machines.kernel = _kernel(tmp_path, False)  # the small kernel
+    with pytest.raises(InvalidRequest, match="cloud kernel"):
+        machines._tools_boot(tools_ref, tools_image)
+    assert machines._tools_boot(ImageRef.snapshot("s1"), raw) is False
