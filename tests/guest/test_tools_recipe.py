@@ -233,3 +233,45 @@ def test_the_node_attaches_the_drive_to_tools_images_only(tmp_path: Path) -> Non
     with pytest.raises(InvalidRequest, match="cloud kernel"):
         machines._tools_boot(tools_ref, tools_image)
     assert machines._tools_boot(ImageRef.snapshot("s1"), raw) is False
+
+
+# -- building a tools image -----------------------------------------------------------------
+
+
+def _debugfs(image: Path, request: str) -> str:
+    return subprocess.run(["debugfs", "-R", request, str(image)], check=True,
+                          capture_output=True, text=True).stdout
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("debugfs") is None,
+                    reason="building images needs root; reading them needs debugfs")
+def test_a_tools_image_from_an_oci_image_gets_the_user_and_the_mountpoint(
+        tmp_path: Path) -> None:
+    import tarfile
+
+    from aenv.storage.images import build_image
+    from aenv.storage.oci import OciImage
+
+    tree = tmp_path / "tree"
+    (tree / "etc").mkdir(parents=True)
+    (tree / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
+    (tree / "etc/group").write_text("root:x:0:\n")
+    (tree / "hello.txt").write_text("from the layer\n")
+    layer = tmp_path / "layer.tar"
+    with tarfile.open(layer, "w") as tar:
+        tar.add(tree, arcname=".")
+    settings = Settings(home=tmp_path / "home", cache_home=tmp_path / "artifacts")
+    image = build_image(settings, "t", OciImage(f"sha256:{DIGEST}", [layer]),
+                        guest_layer="tools", size_bytes=64 << 20)
+    assert image.uses_tools and image.source == f"oci sha256:{DIGEST}"
+    assert "user:x:1000:1000::/home/user:/bin/sh" in _debugfs(image.path, "cat /etc/passwd")
+    assert "from the layer" in _debugfs(image.path, "cat /hello.txt")
+    root = _debugfs(image.path, "ls -l /")
+    for name in (".aenv", "proc", "sys", "dev", "run", "tmp", "home"):
+        assert f" {name}" in root, name
+    assert "1000" in _debugfs(image.path, "stat /home/user")
+    again = build_image(settings, "t", OciImage(f"sha256:{DIGEST}", [layer]),
+                        guest_layer="tools", size_bytes=64 << 20)
+    assert again.digest == image.digest  # a cache hit
+    with pytest.raises(ImageError, match="cloud kernel"):
+        build_image(settings, "t", tree, guest_layer="tools", kernel_flavor="small")
