@@ -23,6 +23,7 @@ from .envd.signing import Operation
 from .envd.signing import signature as envd_signature
 from .orchestrator.admission import Budget
 from .orchestrator.builds import Builder
+from .orchestrator.from_image import RegistryImages
 from .orchestrator.machine import Machines
 from .orchestrator.metrics import MetricsCollector
 from .orchestrator.service import Limits, Orchestrator
@@ -90,7 +91,8 @@ class Server:
         )
         self.builder = Builder(self.templates, machines, settings.cache_dir / "build-files",
                                pins=self.orchestrator.pins,
-                               admission=self.orchestrator.admission)
+                               admission=self.orchestrator.admission,
+                               images=RegistryImages(settings))
         self.metrics = MetricsCollector(self.sandboxes, interval=self.options.metrics_interval)
         self.proxy = ProxyRouter(RouteTable(self._route))
         self.orchestrator.on_stop.append(self.proxy.forget)

@@ -38,7 +38,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
-from pydantic import Field
+from pydantic import Field, SecretStr
 
 from ..orchestrator.builds import Builder
 from ..orchestrator.errors import TemplateNotFound
@@ -73,9 +73,23 @@ class Step(_Body):
     force: bool | None = None
 
 
+class RegistryAuth(_Body):
+    """E2B's ``fromImageRegistry``: ``registry`` (username and password) is what aenv
+    pulls with; ``aws`` and ``gcp`` are accepted here and refused by name at the start."""
+
+    type: str
+    username: str | None = None
+    password: SecretStr | None = None
+
+    def plain(self) -> dict[str, Any]:
+        return {"type": self.type, "username": self.username,
+                "password": self.password.get_secret_value() if self.password else None}
+
+
 class BuildStart(_Body):
     fromImage: str | None = None
     fromTemplate: str | None = None
+    fromImageRegistry: RegistryAuth | None = None
     steps: list[Step] | None = None
     startCmd: str | None = None
     readyCmd: str | None = None
@@ -221,7 +235,11 @@ async def upload_files(request: Request, template_id: str, files_hash: str,
 @router.post("/v2/templates/{template_id}/builds/{build_id}", status_code=202)
 async def start_build(request: Request, template_id: str, build_id: str,
                       body: BuildStart) -> Response:
-    builder(request).start(template_id, build_id, body.model_dump(exclude_none=True))
+    # The credentials go to the build in memory only: the stored spec must not hold them.
+    registry = body.fromImageRegistry.plain() if body.fromImageRegistry else None
+    builder(request).start(template_id, build_id,
+                           body.model_dump(exclude_none=True, exclude={"fromImageRegistry"}),
+                           registry=registry)
     return Response(status_code=202)
 
 

@@ -48,6 +48,7 @@ from typing import Any
 
 from ..client.envd import ENVD_PORT, EnvdClient, EnvdError
 from ..storage import build_archives
+from ..storage.errors import StorageError
 from ..store import (
     BuildRecord,
     BuildStatus,
@@ -57,8 +58,17 @@ from ..store import (
     TemplateRecord,
     TemplateStore,
 )
+from . import template_records
 from .admission import Admission, Ask
 from .errors import Conflict, InvalidRequest, LimitReached, TemplateNotFound
+from .from_image import (
+    DEFAULT_USER,
+    DEFAULT_WORKDIR,
+    ImageRequest,
+    ImageSource,
+    check_request,
+    is_e2b_base,
+)
 from .ids import new_id, new_layer_ref, new_snapshot_ref, new_token
 from .machine import Machines
 from .pins import Pins
@@ -291,7 +301,8 @@ def step_failure(what: str, status: str, step: str, output: _Output | None) -> s
 class Builder:
     def __init__(self, templates: TemplateStore, machines: Machines, files_dir: Path,
                  pins: Pins | None = None, *, admission: Admission | None = None,
-                 waiting_deadline: float = WAITING_DEADLINE_S) -> None:
+                 waiting_deadline: float = WAITING_DEADLINE_S,
+                 images: ImageSource | None = None) -> None:
         self.templates = templates
         self.machines = machines
         self.files_dir = files_dir
@@ -301,6 +312,8 @@ class Builder:
         # Shared with the orchestrator: a build VM counts against the node's budgets.
         self.admission = admission
         self.waiting_deadline = waiting_deadline
+        # Where ``fromImage`` builds get their image (a registry pull); None: refused.
+        self.images = images
         self._tasks: dict[str, asyncio.Task] = {}
         self._sweeper: asyncio.Task | None = None
 
@@ -351,10 +364,13 @@ class Builder:
             raise InvalidRequest(f"invalid files hash '{files_hash}'")
         return self.files_dir / f"{files_hash}.tar"
 
-    def start(self, template_id: str, build_id: str, spec: dict[str, Any]) -> None:
+    def start(self, template_id: str, build_id: str, spec: dict[str, Any],
+              registry: dict[str, Any] | None = None) -> None:
         """Start a reserved build. A start refused for what it asks (``InvalidRequest``,
         ``TemplateNotFound`` for the parent) fails the build with that reason before it
-        raises: the SDK does not start a build twice, so it would wait forever."""
+        raises: the SDK does not start a build twice, so it would wait forever.
+        ``registry``: the credentials for ``fromImage`` (E2B's ``fromImageRegistry``),
+        kept in memory only; ``spec`` is stored and must not hold them."""
         tpl = self.templates.get(template_id)
         build = self.templates.get_build(build_id)
         if tpl is None or build is None or build.template_id != tpl.id:
@@ -366,14 +382,24 @@ class Builder:
             self._fail(build_id, tpl.id, step, str(error))
             return error
 
-        if spec.get("fromImage"):
-            raise refuse("base", InvalidRequest(
-                "fromImage needs an OCI registry, which this node does not pull from; "
-                "build from a template (fromTemplate) instead"))
+        from_image: ImageRequest | None = None
         parent_id = spec.get("fromTemplate") or BASE_TEMPLATE
-        parent = self.templates.get(parent_id)
-        if parent is None or parent.status != BuildStatus.READY:
-            raise refuse("base", TemplateNotFound(parent_id))
+        if spec.get("fromImage") and spec.get("fromTemplate"):
+            raise refuse("base", InvalidRequest("fromImage and fromTemplate are exclusive"))
+        if spec.get("fromImage") and not is_e2b_base(spec["fromImage"]):
+            if self.images is None:
+                raise refuse("base", InvalidRequest(
+                    "this node does not pull images (fromImage); build from a template"
+                    " (fromTemplate)"))
+            try:
+                from_image = check_request(spec["fromImage"], registry)
+            except InvalidRequest as e:
+                raise refuse("base", e) from None
+        parent = None
+        if from_image is None:
+            parent = self.templates.get(parent_id)
+            if parent is None or parent.status != BuildStatus.READY:
+                raise refuse("base", TemplateNotFound(parent_id))
         for i, step in enumerate(spec.get("steps") or [], start=1):
             kind = step.get("type")
             if kind not in STEP_TYPES:
@@ -396,7 +422,8 @@ class Builder:
         self.templates.update_build(build_id, status=BuildStatus.BUILDING,
                                     spec={**spec, "names": names})
         self._settle(template_id)
-        task = asyncio.create_task(self._run(tpl.id, build_id, parent, spec, names),
+        task = asyncio.create_task(self._run(tpl.id, build_id, parent or from_image, spec,
+                                             names),
                                    name=f"aenv-build-{build_id}")
         self._tasks[build_id] = task
         task.add_done_callback(lambda _: self._tasks.pop(build_id, None))
@@ -466,14 +493,49 @@ class Builder:
         if status != tpl.status:
             self.templates.update(template_id, status=status)
 
-    async def _run(self, template_id: str, build_id: str, parent: TemplateRecord,
-                   spec: dict[str, Any], names: list[str]) -> None:
+    async def _run(self, template_id: str, build_id: str,
+                   parent: TemplateRecord | ImageRequest, spec: dict[str, Any],
+                   names: list[str]) -> None:
+        if isinstance(parent, ImageRequest):
+            pulled = await self._from_image(template_id, build_id, parent)
+            if pulled is None:
+                return
+            parent = pulled
         image = new_snapshot_ref() if self.machines.can_pause else new_layer_ref()
         tpl = self.templates.get(template_id)
         held = self.admission.reserve(tpl.cpu_count, tpl.memory_mb, check=False) \
             if self.admission is not None and tpl is not None else contextlib.nullcontext()
         with self.pins.hold(parent.image, image), held:
             await self._build(template_id, build_id, parent, spec, names, image)
+
+    async def _from_image(self, template_id: str, build_id: str,
+                          request: ImageRequest) -> TemplateRecord | None:
+        """The image ``request`` names, pulled and made a guest, as a stand-in parent
+        template; None when that failed (the build has failed with the reason)."""
+        assert self.images is not None
+        tpl = self.templates.get(template_id)
+        assert tpl is not None
+        loop = asyncio.get_running_loop()
+
+        def say(line: str) -> None:  # from the worker thread
+            loop.call_soon_threadsafe(self._log, build_id, line, "base")
+
+        try:
+            prepared = await asyncio.to_thread(self.images.prepare, request, say)
+        except asyncio.CancelledError:
+            self._fail(build_id, template_id, "base", "build was cancelled")
+            raise
+        except StorageError as e:  # registry errors, unpacking, the tools drive
+            self._fail(build_id, template_id, "base", str(e))
+            return None
+        except Exception as e:
+            log.exception("build %s: preparing %s failed", build_id, request.reference)
+            self._fail(build_id, template_id, "base", f"cannot prepare the image: {e}")
+            return None
+        return template_records.from_image(
+            tpl, prepared.image, env=prepared.env,
+            workdir=prepared.workdir or DEFAULT_WORKDIR,
+            user=prepared.user or DEFAULT_USER)
 
     async def _build(self, template_id: str, build_id: str, parent: TemplateRecord,
                      spec: dict[str, Any], names: list[str], image: str) -> None:
@@ -568,7 +630,11 @@ class Builder:
             name = shlex.quote(args[0])
             await self._run_cmd(
                 envd, build_id, step,
-                f"id -u {name} >/dev/null 2>&1 || useradd --create-home --shell /bin/bash {name}",
+                # useradd where the image has it (Debian, Fedora), else busybox's adduser
+                # (alpine, busybox images); the shell is bash only where there is one.
+                f"id -u {name} >/dev/null 2>&1 || {{ sh=/bin/sh; [ -x /bin/bash ] && sh=/bin/bash;"
+                f" if command -v useradd >/dev/null; then useradd --create-home --shell $sh {name};"
+                f" else adduser -D -s $sh {name}; fi; }}",
                 user="root", ctx=ctx, cwd="/", what="failed to create user")
             ctx.user = ctx.default_user = args[0]
         elif kind == "COPY":

@@ -16,7 +16,9 @@ children and the resumed sandbox still belong to it):
 - ``resume_source``: a paused sandbox restores (or, paused without memory, boots) its pause
   snapshot;
 - ``base_image_boot``: a template booted from the node's base image instead of restored
-  from its snapshot (to take that snapshot again).
+  from its snapshot (to take that snapshot again);
+- ``from_image``: what a ``fromImage`` build starts from, the image it pulled (in place of
+  a parent template).
 
 The user, working directory and start command a start applies come from the template the
 sandbox was made from (its ``family``, None once deleted); sizes, env vars and the envd
@@ -97,3 +99,16 @@ def resume_source(paused: SandboxRecord, family: TemplateRecord | None) -> Templ
 def base_image_boot(template: TemplateRecord) -> TemplateRecord:
     """``template`` booted from the node's base image, whatever snapshot it names now."""
     return dataclasses.replace(template, image=None)
+
+
+def from_image(template: TemplateRecord, image: str, *, env: dict[str, str], workdir: str,
+               user: str) -> TemplateRecord:
+    """What a build of ``template`` from a pulled image boots: ``image`` (``image:<digest>``)
+    with the image config's environment, working directory and user, under the image's
+    reference as its id (a build VM's record names it; nothing is stored under it)."""
+    return TemplateRecord(
+        id=image, kind=TemplateKind.TEMPLATE, build_id="image", status=BuildStatus.READY,
+        cpu_count=template.cpu_count, memory_mb=template.memory_mb,
+        disk_size_mb=template.disk_size_mb, created_at=template.created_at,
+        updated_at=template.updated_at, image=image, env_vars=dict(env), workdir=workdir,
+        user=user)
