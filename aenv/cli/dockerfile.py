@@ -1,6 +1,7 @@
 """A Dockerfile as template build steps: the subset that maps onto E2B's template API.
 
-``FROM`` names the parent *template* (aenv builds from templates, not registry images),
+``FROM`` names the parent: a template of the server, or else an image in a registry
+(``aenv template build`` asks the server which; ``cli/template.build_spec``),
 ``RUN``/``ENV``/``ARG``/``WORKDIR``/``USER``/``COPY``/``ADD`` become steps in order, and
 ``CMD``/``ENTRYPOINT`` become the start command, combined as Docker combines them.
 ``EXPOSE``, ``VOLUME``, ``LABEL`` and ``MAINTAINER`` are metadata and are skipped. Anything
@@ -142,8 +143,8 @@ def parse_dockerfile(text: str) -> Recipe:
             _, rest = _flags(rest, set(), line, "FROM")
             words = _words(rest, line)
             if len(words) not in (1, 3) or (len(words) == 3 and words[1].lower() != "as"):
-                raise DockerfileError("FROM takes a template name (and optionally AS name)",
-                                      line)
+                raise DockerfileError("FROM takes a template or image name (and optionally "
+                                      "AS name)", line)
             recipe.from_template = words[0]
             continue
         if not seen_from and name != "ARG":

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Collection
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -76,21 +77,37 @@ def recipe_from(dockerfile: Path | None, *, from_template: str | None, run: list
     return recipe
 
 
-def build_spec(recipe: Recipe, hashes: dict[int, str]) -> dict[str, Any]:
-    """TemplateBuildStartV2, with ``filesHash`` on the COPY steps (by step index)."""
+def build_spec(recipe: Recipe, hashes: dict[int, str],
+               templates: Collection[str] | None = None) -> dict[str, Any]:
+    """TemplateBuildStartV2, with ``filesHash`` on the COPY steps (by step index). The
+    parent is ``fromTemplate`` when ``templates`` (the server's ids and names; None: not
+    asked) has it (or its name before a ``:tag``), else ``fromImage``: a Dockerfile's
+    ``FROM`` may name either, and the server's templates win."""
     steps = []
     for i, step in enumerate(recipe.steps):
         s = {"type": step["type"], "args": step["args"], "force": False}
         if i in hashes:
             s["filesHash"] = hashes[i]
         steps.append(s)
-    spec: dict[str, Any] = {"steps": steps, "force": False,
-                            "fromTemplate": recipe.from_template or DEFAULT_PARENT}
+    parent = recipe.from_template or DEFAULT_PARENT
+    known = templates is None or parent in templates or parent.split(":")[0] in templates
+    key = "fromTemplate" if known else "fromImage"
+    spec: dict[str, Any] = {"steps": steps, "force": False, key: parent}
     if recipe.start_cmd:
         spec["startCmd"] = recipe.start_cmd
     if recipe.ready_cmd:
         spec["readyCmd"] = recipe.ready_cmd
     return spec
+
+
+def _names(api: ApiClient) -> set[str]:
+    """Every id, alias and name:tag the server's templates answer to."""
+    out: set[str] = set()
+    for t in api.list_templates():
+        out.add(t.get("templateID", ""))
+        for name in [*(t.get("aliases") or []), *(t.get("names") or [])]:
+            out.update({name, name.split(":")[0]})
+    return out
 
 
 def _clock(ts: str | None) -> str:
@@ -213,7 +230,7 @@ def build(
         view.note(f"template {template_id}, build {build_id}")
         _upload_copies(api, view, template_id, recipe, hashes, ctx_dir, ignore)
         view.phase("starting the build")
-        api.start_build(template_id, build_id, build_spec(recipe, hashes))
+        api.start_build(template_id, build_id, build_spec(recipe, hashes, _names(api)))
         view.phase("building")
         status = _wait(api, view, template_id, build_id)
     took = time.monotonic() - started

@@ -83,3 +83,15 @@ def test_what_cannot_be_built_faithfully_is_refused(text: str, message: str) -> 
 def test_errors_name_the_line() -> None:
     with pytest.raises(DockerfileError, match="line 3"):
         parse_dockerfile("FROM base\n\nSHELL [\"/bin/zsh\"]\n")
+
+
+@pytest.mark.parametrize(("parent", "key"), [
+    ("base", "fromTemplate"), ("mine:v2", "fromTemplate"), ("node:20-slim", "fromImage"),
+    ("127.0.0.1:5000/team/img:1", "fromImage"),
+])
+def test_from_is_a_template_of_the_server_or_else_an_image(parent: str, key: str) -> None:
+    from aenv.cli.template import build_spec
+
+    recipe = parse_dockerfile(f"FROM {parent}\nRUN true\n")
+    spec = build_spec(recipe, {}, templates={"base", "tid0", "mine"})
+    assert spec[key] == parent and ({"fromTemplate", "fromImage"} - {key}).isdisjoint(spec)
