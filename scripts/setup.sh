@@ -31,7 +31,11 @@ APT_PACKAGES=(
 
 # Debian packages only the tests need (deploy/host-packages.sh does not list them).
 TEST_APT_PACKAGES=(
-  dnsmasq-base  # tests/server/test_tls_e2e.py: a resolver for *.aenv.test (no service)
+  apache2-utils    # htpasswd: the auth registry of tests/local_registry.py
+  dnsmasq-base     # tests/server/test_tls_e2e.py: a resolver for *.aenv.test (no service)
+  docker-registry  # tests/local_registry.py: a real OCI registry on loopback
+  skopeo           # tests/local_registry.py: pushes the test images
+  umoci            # tests/local_registry.py: makes the test images (OCI layouts)
 )
 
 missing=()

@@ -1,0 +1,124 @@
+"""A real OCI registry for tests: Debian's ``docker-registry`` on a free loopback port
+(optionally with htpasswd basic auth), and images made on this machine with ``umoci``
+and pushed with ``skopeo``. Nothing here is a test.
+
+``busybox_layout`` is a one-layer image of the static busybox from Debian's
+``busybox-static`` (no libc, no bash, no Python), with an image config that sets ``Env``
+and ``WorkingDir``; it is cached under the cache dir, so a second session only pushes it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from aenv.storage import debian
+from tests.conftest import free_port
+
+BUSYBOX_ENV = {"PATH": "/bin", "FOO": "from-image"}
+BUSYBOX_WORKDIR = "/srv"
+BUSYBOX_MARKER = "hello from the image\n"  # /srv/marker
+
+
+@dataclass(frozen=True)
+class Registry:
+    host: str  # 127.0.0.1:<port>
+    credentials: tuple[str, str] | None
+
+    def push(self, layout: Path, repo_tag: str) -> str:
+        """Push ``layout`` (an OCI layout, tag ``latest``) as ``<host>/<repo_tag>``."""
+        ref = f"{self.host}/{repo_tag}"
+        cmd = ["skopeo", "copy", "-q", "--dest-tls-verify=false"]
+        if self.credentials:
+            cmd.append(f"--dest-creds={self.credentials[0]}:{self.credentials[1]}")
+        subprocess.run([*cmd, f"oci:{layout}:latest", f"docker://{ref}"], check=True,
+                       capture_output=True)
+        return ref
+
+
+@contextmanager
+def local_registry(root: Path, *, credentials: tuple[str, str] | None = None
+                   ) -> Iterator[Registry]:
+    """A ``docker-registry`` serving from ``root`` until the block ends."""
+    if shutil.which("docker-registry") is None:
+        raise RuntimeError("docker-registry is missing: run ./scripts/setup.sh")
+    root.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    auth = ""
+    if credentials:
+        htpasswd = subprocess.run(["htpasswd", "-Bbn", *credentials], check=True,
+                                  capture_output=True, text=True).stdout
+        (root / "htpasswd").write_text(htpasswd)
+        auth = f"auth: {{htpasswd: {{realm: aenv-test, path: {root / 'htpasswd'}}}}}\n"
+    (root / "config.yml").write_text(
+        "version: 0.1\nlog: {level: error}\n"
+        f"storage: {{filesystem: {{rootdirectory: {root / 'data'}}}}}\n"
+        f"http: {{addr: 127.0.0.1:{port}}}\n" + auth)
+    with open(root / "registry.log", "wb") as log:
+        proc = subprocess.Popen(["docker-registry", "serve", str(root / "config.yml")],
+                                stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/v2/", timeout=1)
+                break
+            except httpx.TransportError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("docker-registry did not start: "
+                                       + (root / "registry.log").read_text()[-2000:]) from None
+                time.sleep(0.05)
+        yield Registry(f"127.0.0.1:{port}", credentials)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def busybox_layout(cache_dir: Path) -> Path:
+    """The busybox test image as an OCI layout (made once per cache dir)."""
+    final = cache_dir / "test-images" / "busybox-oci"
+    if (final / "index.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=final.parent) as tmp:
+        work = Path(tmp)
+        (deb,) = debian.download([debian.candidate("busybox-static")], cache_dir / "debs")
+        debian.unpack(deb, work / "deb")
+        layout, bundle = work / "layout", work / "bundle"
+        umoci = ["umoci", "--log", "error"]
+        subprocess.run([*umoci, "init", "--layout", str(layout)], check=True)
+        subprocess.run([*umoci, "new", "--image", f"{layout}:latest"], check=True)
+        subprocess.run([*umoci, "unpack", "--image", f"{layout}:latest", str(bundle)],
+                       check=True, capture_output=True)
+        rootfs = bundle / "rootfs"
+        for d in ("bin", "etc", "srv", "tmp", "root"):
+            (rootfs / d).mkdir(exist_ok=True)
+        shutil.copy2(work / "deb/bin/busybox", rootfs / "bin/busybox")
+        applets = subprocess.run([rootfs / "bin/busybox", "--list"], check=True,
+                                 capture_output=True, text=True).stdout.split()
+        for applet in applets:
+            if applet != "busybox":
+                os.symlink("busybox", rootfs / "bin" / applet)
+        (rootfs / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
+        (rootfs / "etc/group").write_text("root:x:0:\n")
+        (rootfs / "srv/marker").write_text(BUSYBOX_MARKER)
+        subprocess.run([*umoci, "repack", "--image", f"{layout}:latest", str(bundle)],
+                       check=True)
+        config = [f"--config.env={k}={v}" for k, v in BUSYBOX_ENV.items()]
+        subprocess.run([*umoci, "config", "--image", f"{layout}:latest", *config,
+                        f"--config.workingdir={BUSYBOX_WORKDIR}"], check=True)
+        os.replace(layout, final)
+    return final
