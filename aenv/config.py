@@ -152,11 +152,13 @@ def _file(v: Path | None) -> str | None:
     return "is a directory, not a file" if v is not None and v.is_dir() else None
 
 
+_REGISTRY_HOST = r"(?:[A-Za-z0-9.-]+|\[[0-9A-Fa-f:]+\])(?::[0-9]{1,5})?"
+
+
 def _registry_hosts(v: str | None) -> str | None:
     for entry in (v or "").split(","):
         entry = entry.strip()
-        if entry and not re.fullmatch(r"[A-Za-z0-9.-]+(:[0-9]{1,5})?|\[[0-9A-Fa-f:]+\](:[0-9]{1,5})?",
-                                      entry):
+        if entry and not re.fullmatch(_REGISTRY_HOST, entry):
             return f"has {entry!r}, which is not a host or host:port"
     return None
 

@@ -29,9 +29,17 @@ _INDEX_TYPES = {
 
 @dataclass(frozen=True)
 class OciImage:
+    """An image ready to unpack: ``layers`` lowest first, ``config`` the image config's
+    ``config`` object. A registry pull (``registry.pull_image``) also fills
+    ``layer_media_types`` (one per layer), ``bytes_transferred`` (blob bytes this pull
+    downloaded; 0 when every blob was cached) and ``reference`` (what was pulled)."""
+
     digest: str
     layers: list[Path]
     config: dict[str, Any] = field(default_factory=dict)
+    layer_media_types: list[str] = field(default_factory=list)
+    bytes_transferred: int = 0
+    reference: str = ""
 
 
 def is_oci_layout(path: Path) -> bool:

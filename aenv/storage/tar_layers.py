@@ -18,6 +18,7 @@ import os
 import posixpath
 import shutil
 import stat
+import subprocess
 import tarfile
 from pathlib import Path
 
@@ -69,29 +70,81 @@ def _check_name(name: str) -> str:
     return norm
 
 
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
 def apply_layer(root: Path, tar_path: Path, *, whiteouts: bool = False) -> None:
-    """Unpack ``tar_path`` (any compression tarfile reads) onto ``root``."""
+    """Unpack ``tar_path`` onto ``root``: a plain tar, or one compressed with gzip (or
+    bzip2, xz: what tarfile reads) or zstd, told apart by their magic bytes, not by the
+    name or the media type. A zstd layer streams through the ``zstd`` binary (Debian's
+    ``zstd`` package; Python 3.11 has no zstd module)."""
+    try:
+        with open(tar_path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise LayerError(f"{tar_path}: cannot read the layer: {e}") from e
+    if magic == ZSTD_MAGIC:
+        _apply_zstd(root, tar_path, whiteouts)
+        return
     try:
         tf = tarfile.open(tar_path, "r:*")  # noqa: SIM115 - closed by `with tf` below
     except (tarfile.TarError, OSError) as e:
         raise LayerError(f"{tar_path}: not a readable tar archive: {e}") from e
     with tf:
-        for member in tf:
-            name = _check_name(member.name)
-            if name in (".", ""):
-                continue
-            parent, base = posixpath.split(name)
-            if whiteouts and base == OPAQUE:
-                d = resolve(root, parent)
-                if os.path.isdir(d):
-                    for entry in os.listdir(d):
+        _apply_members(root, tf, whiteouts)
+
+
+def _apply_zstd(root: Path, tar_path: Path, whiteouts: bool) -> None:
+    try:
+        proc = subprocess.Popen(["zstd", "-d", "-c", "-q", "--", str(tar_path)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    except FileNotFoundError:
+        raise LayerError(f"{tar_path} is zstd-compressed and the zstd program is missing "
+                         "(Debian package zstd)") from None
+    assert proc.stdout is not None and proc.stderr is not None
+    failure: Exception | None = None
+    try:
+        with tarfile.open(fileobj=proc.stdout, mode="r|") as tf:
+            _apply_members(root, tf, whiteouts)
+    except tarfile.TarError as e:
+        failure = e
+    finally:
+        proc.stdout.close()
+        stderr = proc.stderr.read().decode(errors="replace").strip()
+        proc.stderr.close()
+        code = proc.wait()
+    if code != 0:
+        raise LayerError(f"{tar_path}: zstd could not decompress it (exit {code}): "
+                         f"{stderr[-300:]}")
+    if failure is not None:
+        raise LayerError(f"{tar_path}: not a readable tar archive: {failure}") from failure
+
+
+def _apply_members(root: Path, tf: tarfile.TarFile, whiteouts: bool) -> None:
+    # An opaque marker hides the lower layers' content only: what this layer itself
+    # put in the directory before the marker (tar order is free) stays.
+    this_layer: set[str] = set()
+    for member in tf:
+        name = _check_name(member.name)
+        if name in (".", ""):
+            continue
+        parent, base = posixpath.split(name)
+        if whiteouts and base == OPAQUE:
+            d = resolve(root, parent)
+            if os.path.isdir(d):
+                for entry in os.listdir(d):
+                    if posixpath.join(parent, entry) not in this_layer:
                         _remove(os.path.join(d, entry))
-                continue
-            if whiteouts and base.startswith(WHITEOUT):
-                _remove(resolve(root, posixpath.join(parent, base[len(WHITEOUT):]),
-                                follow_last=False))
-                continue
-            _extract(tf, member, root, name)
+            continue
+        if whiteouts and base.startswith(WHITEOUT):
+            _remove(resolve(root, posixpath.join(parent, base[len(WHITEOUT):]),
+                            follow_last=False))
+            continue
+        _extract(tf, member, root, name)
+        if whiteouts:
+            while name and name not in this_layer:
+                this_layer.add(name)
+                name = posixpath.dirname(name)
 
 
 def _extract(tf: tarfile.TarFile, m: tarfile.TarInfo, root: Path, name: str) -> None:
