@@ -160,3 +160,51 @@ def image_prune(
         raise typer.Exit(1)
     for image in old:
         remove_image(settings, image)
+
+
+@image_app.command("pull")
+def image_pull(
+    reference: str = typer.Argument(..., help="e.g. alpine:3.19, ghcr.io/org/img@sha256:..."),
+    username: str | None = typer.Option(None, "--username", "-u", help="registry username"),
+    password_stdin: bool = typer.Option(False, "--password-stdin",
+                                        help="read the password from standard input"),
+) -> None:
+    """Pull an image from a registry into the shared layer cache (no ext4 is built)."""
+    import sys
+
+    from rich.progress import BarColumn, DownloadColumn, TransferSpeedColumn
+
+    from ..storage.registry import BlobProgress, pull_image
+    from ..storage.registry_auth import RegistryCredentials
+    from ..storage.registry_errors import RegistryError
+
+    credentials = None
+    if password_stdin:
+        if not username:
+            _fail(ValueError("--password-stdin needs --username"))
+        credentials = RegistryCredentials(username, sys.stdin.readline().rstrip("\r\n"))
+    elif username:
+        _fail(ValueError("--username needs --password-stdin (passwords are never flags)"))
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                        TransferSpeedColumn())
+    tasks: dict[str, int] = {}
+
+    def on_blob(event: BlobProgress) -> None:
+        task = tasks.get(event.digest)
+        if task is None:
+            label = f"{event.kind} {event.digest[7:19]}"
+            task = tasks[event.digest] = progress.add_task(label, total=event.total or None)
+        progress.update(task, completed=event.done,
+                        description=f"{event.kind} {event.digest[7:19]}"
+                                    f"{' (cached)' if event.cached else ''}")
+
+    t0 = time.monotonic()
+    try:
+        with progress, pull_image(_settings(), reference, credentials=credentials,
+                                  progress=on_blob) as image:
+            pass
+    except RegistryError as e:
+        _fail(e)
+    Console().print(f"{image.reference} {image.digest} {len(image.layers)} layers, "
+                    f"{image.bytes_transferred / 1e6:.1f} MB transferred "
+                    f"({time.monotonic() - t0:.1f} s)")
