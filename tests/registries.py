@@ -23,6 +23,7 @@ from tests.conftest import free_port, stop_process, wait_http
 class Registry:
     def __init__(self, root: Path) -> None:
         self.root = root
+        root.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.host = f"127.0.0.1:{self.port}"
         self.storage = root / "storage"

@@ -1,0 +1,80 @@
+"""Pull + unpack of a ~100 MB image from a local docker-registry, cold and warm.
+
+Each run pulls the image (four ~25 MB gzip layers of random bytes, so the MB are real
+transfer) into the blob cache and applies its layers into a fresh tree. Cold runs start
+with an empty cache; warm runs reuse it (a tag: one manifest request, no blob bytes).
+Prints one JSON object: p50/p99 wall ms per phase, MB/s of the cold pull, bytes
+transferred. Needs docker-registry and skopeo (scripts/setup.sh), and root for the
+unpack (ownership). Usage: python benchmarks/image_pull.py [--runs N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from aenv.config import Settings
+from aenv.storage import tar_layers
+from aenv.storage.registry import pull_image
+from benchmarks._common import emit, summary
+from tests.registries import Registry, oci_layout, tar_layer
+
+
+def _run(settings: Settings, ref: str, scratch: Path) -> dict[str, float]:
+    tree = scratch / "tree"
+    shutil.rmtree(tree, ignore_errors=True)
+    tree.mkdir()
+    t0 = time.monotonic()
+    with pull_image(settings, ref) as image:
+        t1 = time.monotonic()
+        for layer in image.layers:
+            tar_layers.apply_layer(tree, layer, whiteouts=True)
+        t2 = time.monotonic()
+    return {"pull_ms": (t1 - t0) * 1e3, "unpack_ms": (t2 - t1) * 1e3,
+            "total_ms": (t2 - t0) * 1e3, "bytes": float(image.bytes_transferred)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=5)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="aenv-bench-pull-"))
+    registry = Registry(work / "registry")
+    try:
+        rng = random.Random(17)
+        layers = [(tar_layer({f"data/{i}.bin": rng.randbytes(25 << 20)}), "gzip")
+                  for i in range(4)]
+        size = sum(len(d) for d, _ in layers)
+        ref = registry.push(oci_layout(work / "layout", layers), "bench/big")
+        print(f"pushed {size / 1e6:.1f} MB as {ref}", file=sys.stderr)
+        cold, warm = [], []
+        for i in range(args.runs):
+            settings = Settings(home=work / f"home-{i}")
+            cold.append(_run(settings, ref, work))
+            warm.append(_run(settings, ref, work))
+            shutil.rmtree(settings.home)
+        emit({
+            "image_mb": round(size / 1e6, 1), "runs": args.runs,
+            "cold": {k: summary([r[k] for r in cold]) for k in ("pull_ms", "unpack_ms",
+                                                                 "total_ms")},
+            "warm": {k: summary([r[k] for r in warm]) for k in ("pull_ms", "unpack_ms",
+                                                                 "total_ms")},
+            "cold_pull_mb_s": round(size / 1e6 / (sorted(r["pull_ms"] for r in cold)
+                                                  [len(cold) // 2] / 1e3), 1),
+            "cold_bytes_transferred": [int(r["bytes"]) for r in cold],
+            "warm_bytes_transferred": [int(r["bytes"]) for r in warm],
+        })
+    finally:
+        registry.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
