@@ -17,7 +17,7 @@ import subprocess
 import tarfile
 from pathlib import Path
 
-from tests.conftest import free_port, stop_process, wait_http
+from tests.conftest import free_port, stop_process
 
 
 class Registry:
@@ -28,15 +28,20 @@ class Registry:
         self.host = f"127.0.0.1:{self.port}"
         self.storage = root / "storage"
         config = root / "config.yml"
-        config.write_text(
-            "version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n"
-            f"    rootdirectory: {self.storage}\n  delete:\n    enabled: true\n"
-            f"http:\n  addr: 127.0.0.1:{self.port}\n")
+        config.write_text(self._config())
         self.log = open(root / "registry.log", "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(["docker-registry", "serve", str(config)],
                                      stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
-        wait_http(f"http://{self.host}/v2/", proc=self.proc)
+        _wait(self._ready_url(), self.proc)
+
+    def _config(self) -> str:
+        return ("version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n"
+                f"    rootdirectory: {self.storage}\n  delete:\n    enabled: true\n"
+                f"http:\n  addr: 127.0.0.1:{self.port}\n")
+
+    def _ready_url(self) -> str:
+        return f"http://{self.host}/v2/"
 
     def push(self, layout: Path, repo: str, tag: str = "latest") -> str:
         """Push the layout's image as ``repo:tag``; returns ``host/repo:tag``."""
@@ -53,6 +58,23 @@ class Registry:
     def stop(self) -> None:
         stop_process(self.proc)
         self.log.close()
+
+
+def _wait(url: str, proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"docker-registry exited with {proc.returncode}")
+        try:
+            httpx.get(url, verify=False, timeout=1.0)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    raise TimeoutError(f"{url} did not answer within {timeout} s")
 
 
 def tar_layer(files: dict[str, bytes], *, compress: str = "gzip") -> bytes:
@@ -106,3 +128,70 @@ def oci_layout(root: Path, layers: list[tuple[bytes, str]], *, tag: str = "lates
         {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
          "manifests": [desc]}))
     return root
+
+
+def tls_files(where: Path) -> tuple[Path, Path, Path]:
+    """(CA, server cert, server key) PEM files for 127.0.0.1, made with cryptography."""
+    import datetime as dt
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    where.mkdir(parents=True, exist_ok=True)
+    now = dt.datetime.now(dt.UTC)
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(
+        ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "aenv test registry CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
+          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+          .not_valid_before(now - dt.timedelta(hours=1))
+          .not_valid_after(now + dt.timedelta(days=2))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    leaf = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
+            .issuer_name(ca_name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(hours=1))
+            .not_valid_after(now + dt.timedelta(days=2))
+            .add_extension(x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    pem = serialization.Encoding.PEM
+    (where / "ca.pem").write_bytes(ca.public_bytes(pem))
+    (where / "cert.pem").write_bytes(leaf.public_bytes(pem))
+    (where / "key.pem").write_bytes(key.private_bytes(
+        pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    return where / "ca.pem", where / "cert.pem", where / "key.pem"
+
+
+class AuthRegistry(Registry):
+    """A docker-registry over TLS (its htpasswd auth requires it) with one user."""
+
+    def __init__(self, root: Path, username: str, password: str) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        self.ca, cert, key = tls_files(root / "tls")
+        htpasswd = root / "htpasswd"
+        htpasswd.write_text(subprocess.run(["htpasswd", "-Bbn", username, password],
+                                           capture_output=True, text=True,
+                                           check=True).stdout)
+        self._extra = (f"  tls:\n    certificate: {cert}\n    key: {key}\n"
+                       f"auth:\n  htpasswd:\n    realm: test\n    path: {htpasswd}\n")
+        self.username, self.password = username, password
+        super().__init__(root)
+
+    def _config(self) -> str:
+        return super()._config() + self._extra
+
+    def _ready_url(self) -> str:
+        return f"https://{self.host}/v2/"
+
+    def push(self, layout: Path, repo: str, tag: str = "latest") -> str:
+        subprocess.run(["skopeo", "copy", "--quiet", "--all", "--dest-tls-verify=false",
+                        "--dest-creds", f"{self.username}:{self.password}",
+                        f"oci:{layout}:{tag}", f"docker://{self.host}/{repo}:{tag}"],
+                       check=True, capture_output=True)
+        return f"{self.host}/{repo}:{tag}"

@@ -4,6 +4,7 @@ the blob cache verified, a warm pull transfers nothing, errors are named."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from pathlib import Path
 
@@ -12,8 +13,9 @@ import pytest
 from aenv.config import Settings
 from aenv.storage import tar_layers
 from aenv.storage.registry import pull_image
-from aenv.storage.registry_errors import DigestMismatch, ImageNotFound, NoPlatform
-from tests.registries import Registry, oci_layout, tar_layer
+from aenv.storage.registry_auth import RegistryCredentials
+from aenv.storage.registry_errors import AuthFailed, DigestMismatch, ImageNotFound, NoPlatform
+from tests.registries import AuthRegistry, Registry, oci_layout, tar_layer
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/usr/bin/docker-registry"),
                                 reason="needs docker-registry and skopeo (scripts/setup.sh)")
@@ -109,3 +111,31 @@ def test_collection_keeps_the_cache_under_its_bound(tmp_path, registry, whiteout
         pass
     from aenv.storage.blob_cache import BlobCache
     assert BlobCache(s.registry_blobs_dir, 2 << 20).size() <= 2 << 20
+
+
+@pytest.fixture(scope="module")
+def auth_registry(tmp_path_factory):
+    r = AuthRegistry(tmp_path_factory.mktemp("authreg"), "bob", "pa55-" + "x" * 20)
+    yield r
+    r.stop()
+
+
+def test_basic_auth_over_tls_with_the_registry_ca(auth_registry, tmp_path, caplog) -> None:
+    layout = oci_layout(tmp_path / "p", [(tar_layer({"private": b"p"}), "gzip")])
+    ref = auth_registry.push(layout, "team/private")
+    s = Settings(home=tmp_path / "home", registry_ca=auth_registry.ca)
+    caplog.set_level(logging.DEBUG)
+    creds = RegistryCredentials("bob", auth_registry.password)
+    with pull_image(s, ref, credentials=creds) as image:
+        assert len(image.layers) == 1
+    assert auth_registry.password not in caplog.text
+    for path in s.cache_dir.rglob("*"):
+        if path.is_file():
+            assert auth_registry.password.encode() not in path.read_bytes()
+    wrong = RegistryCredentials("bob", "wrong")
+    with pytest.raises(AuthFailed, match="refused the credentials"), \
+            pull_image(s, ref.replace("latest", "other"), credentials=wrong):
+        pass
+    with pytest.raises(AuthFailed, match="requires a username and password"), \
+            pull_image(s, ref.replace("latest", "other")):
+        pass
