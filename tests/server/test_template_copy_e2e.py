@@ -193,9 +193,14 @@ def test_an_unknown_copy_owner_fails_clearly(sdk, tmp_path) -> None:
 
 
 def test_a_build_refused_at_start_is_an_error_not_waiting(sdk) -> None:
+    # credentials aenv cannot use are refused before anything is pulled (nothing leaves
+    # loopback: the registry named here is never contacted)
     name = unique("e2e-fromimage")
-    with pytest.raises(BuildException, match="fromImage"):
-        Template.build(Template().from_image("ubuntu:22.04").run_cmd("true"), name)
+    template = Template().from_aws_registry(
+        "123456789012.dkr.ecr.us-east-1.amazonaws.com/app:1", access_key_id="AKIA",
+        secret_access_key="secret", region="us-east-1").run_cmd("true")
+    with pytest.raises(BuildException, match="type 'aws' are not supported"):
+        Template.build(template, name)
     assert statuses(sdk)[name] == "error"
 
 
