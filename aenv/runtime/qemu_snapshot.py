@@ -35,10 +35,12 @@ Memory, two cases:
 Drives (qcow2): pausing moves the VM's top overlay into the snapshot (O(1)); a running
 snapshot hard-links the frozen top into the snapshot and switches the VM onto a new overlay
 (``blockdev-snapshot-sync`` onto a file created before the freeze), so the freeze holds no
-disk copy. A restore gets a new overlay over the snapshot's file. When the qcow2 chain would
-exceed ``max_chain`` snapshot layers, the snapshot's file is flattened onto the chain's root
-image (copy of the top + qemu-img safe rebase: O(data written in the chain)), after the VM
-runs again. Writable raw drives (reflink hosts) are moved on pause and reflinked while
+disk copy; a capture that fails after the switch commits the new overlay back into the
+old top (``block-commit``, the switch's undo), so the VM writes what its lineage names.
+A restore gets a new overlay over the snapshot's file. When the qcow2 chain would exceed
+``max_chain`` snapshot layers, the snapshot's file is flattened onto the chain's root image
+(copy of the top + qemu-img safe rebase: O(data written in the chain)), after the VM runs
+again. Writable raw drives (reflink hosts) are moved on pause and reflinked while
 frozen otherwise. Read-only drives are referenced, not copied.
 
 Caveat: a restored VM keeps every page it wrote since its restore private, so each later
@@ -70,6 +72,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import errno
+import functools
 import json
 import logging
 import os
@@ -413,6 +416,66 @@ async def _switch_drive(vm: QemuVM, p: _DrivePlan, staging: Path) -> None:
     Jail.take_back(dest)
 
 
+async def _switch_back(vm: QemuVM, p: _DrivePlan, old_top: str) -> None:
+    """The undo of ``_switch_drive`` for a qcow2 drive whose capture failed: an active
+    commit (``block-commit``, then ``block-job-complete``) of the new overlay into the old
+    top, so the VM writes the file its lineage names again and nothing it wrote since the
+    switch is lost. The new overlay's header names a snapshot file that now never exists,
+    so it cannot simply be kept. No-op when the switch did not happen or the VMM is gone.
+    ``old_top``: the old top's name in the working directory, as QEMU opened it."""
+    if not vm.is_alive() or await _top_file(vm, p.id) != p.new_top:
+        return
+    assert p.top is not None and p.new_top is not None
+    vm.jail.give(p.top)  # the switch gave the frozen top to root; QEMU reopens it to write
+    nodes = (await vm.execute("query-named-block-nodes", {"flat": True}))["return"]
+    base = [n["node-name"] for n in nodes
+            if n["drv"] == "qcow2" and _file_name(n["file"]) == old_top]
+    if len(base) != 1:
+        raise VMError(f"drive {p.id}: no single block node for {old_top} ({len(base)})",
+                      vm_id=vm.vm_id)
+    job = f"aenv-undo-{p.id}"
+    await vm.execute("block-commit", {"job-id": job, "device": p.id, "base-node": base[0]})
+    await _wait_job(vm, job, ready=True)
+    await vm.execute("block-job-complete", {"device": job})
+    await _wait_job(vm, job, ready=False)
+    if await _top_file(vm, p.id) != old_top:
+        raise VMError(f"drive {p.id}: the commit back into {old_top} did not complete",
+                      vm_id=vm.vm_id)
+    (vm.workdir / p.new_top).unlink(missing_ok=True)
+
+
+async def _top_file(vm: QemuVM, drive_id: str) -> str | None:
+    """The file name of the drive's active layer as QEMU has it (None: no such drive)."""
+    for b in (await vm.execute("query-block"))["return"]:
+        if b["device"] == drive_id and "inserted" in b:
+            return _file_name(b["inserted"]["file"])
+    return None
+
+
+def _file_name(name: str) -> str:
+    """A block node's file name; QEMU spells a node whose chain is not its header's as
+    ``json:{...}`` with the name inside."""
+    if name.startswith("json:"):
+        return str(json.loads(name.removeprefix("json:"))["file"]["filename"])
+    return name
+
+
+async def _wait_job(vm: QemuVM, job: str, *, ready: bool, timeout: float = 60.0) -> None:
+    """Until block job ``job`` is ready (``ready``) or gone (not ``ready``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        jobs = {j["device"]: j for j in (await vm.execute("query-block-jobs"))["return"]}
+        if ready and jobs.get(job, {}).get("ready"):
+            return
+        if job not in jobs:
+            if ready:
+                raise VMError(f"block job {job} ended before it was ready", vm_id=vm.vm_id)
+            return
+        await asyncio.sleep(0.02)
+    raise VMError(f"block job {job} did not {'get ready' if ready else 'end'} within "
+                  f"{timeout:.0f} s", vm_id=vm.vm_id)
+
+
 async def _save_device_state(vm: QemuVM, path: Path) -> None:
     """``xen-save-devices-state`` into ``path`` through a passed fd: a confined QEMU can
     neither see nor create ``path``. The fd joins a QEMU fd set for the one command."""
@@ -546,8 +609,11 @@ class QemuCapture(CaptureSteps):
                 continue
             if c.stop:
                 await asyncio.to_thread(_take_drive, p, self.staging)
-            else:
-                await _switch_drive(self.vm, p, self.staging)
+                continue
+            if p.new_top is not None:  # pushed first: the switch may fail half-way
+                c.undo.push(f"the switch of drive {p.id}", functools.partial(
+                    _switch_back, self.vm, p, self.lineage.tops[p.id]))
+            await _switch_drive(self.vm, p, self.staging)
 
     async def thaw(self, c: Capture) -> None:
         if self.was_running and not c.stop:

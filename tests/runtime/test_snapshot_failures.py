@@ -90,16 +90,13 @@ async def test_after_the_failures_a_snapshot_is_taken_and_the_vm_runs_on(guest: 
     assert await guest.vm.status() == "running" and healthy(guest)
 
 
-@pytest.mark.xfail(strict=True, reason="known bug, kept as it was (issue 16 changed no "
-                   "behaviour): a running snapshot that fails after a drive was switched "
-                   "onto its new overlay leaves the lineage naming the old top, so "
-                   "active_drive, the next snapshot and a pause read a file the VM no "
-                   "longer writes")
 async def test_a_snapshot_that_fails_after_its_drive_switch_still_names_the_file_the_vm_writes(
         guest: Guest, tmp_path, monkeypatch) -> None:
     def cannot_commit(*args, **kwargs) -> None:
         raise snapshots.SnapshotError("cannot commit the snapshot: Input/output error")
 
+    top = guest.vm.active_drive("rootfs")
+    overlays = sorted(p.name for p in guest.vm.workdir.glob("rootfs*"))
     monkeypatch.setattr(qs.snap, "commit", cannot_commit)
     with pytest.raises(SnapshotError):
         await guest.vm.snapshot(tmp_path / "s4")
@@ -109,4 +106,7 @@ async def test_a_snapshot_that_fails_after_its_drive_switch_still_names_the_file
     if name.startswith("json:"):
         name = json.loads(name.removeprefix("json:"))["file"]["filename"]
     writes_to = (guest.vm.workdir / name).resolve()
-    assert guest.vm.active_drive("rootfs") == writes_to
+    assert guest.vm.active_drive("rootfs") == writes_to == top
+    assert not rootfs["inserted"]["ro"] and await guest.vm.status() == "running"
+    assert healthy(guest) and nothing_left(tmp_path / "s4")
+    assert sorted(p.name for p in guest.vm.workdir.glob("rootfs*")) == overlays
