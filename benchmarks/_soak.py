@@ -36,7 +36,7 @@ from aenv.config import Settings
 from aenv.network.addressing import Addressing
 from aenv.storage import disks, snapshot_store
 from aenv.store import Database, SandboxStore, TemplateStore
-from benchmarks._server import VMServer
+from benchmarks._server import VMServer, leftovers, log
 
 SOAK_DIR = "/home/user/soak"
 
@@ -461,3 +461,19 @@ def stop_leftover_vmms(settings: Settings) -> list[int]:
         except ProcessLookupError:
             pass
     return pids
+
+
+def sweep_after_stop(settings: Settings) -> dict[str, list[str]]:
+    """After the benchmark's server stopped: what of its prefix was left (network objects,
+    VMM processes, which are killed), removed, and reported by kind (empty lists left out)."""
+    from aenv.network import cleanup_leftovers
+
+    left = leftovers(settings)
+    vmms = stop_leftover_vmms(settings)
+    if any(left.values()):
+        log(f"leftovers after stop, removing: {left}")
+        cleanup_leftovers(settings)
+    after_stop = {k: list(v) for k, v in left.items() if v}
+    if vmms:
+        after_stop["vmm_processes_killed"] = [str(pid) for pid in vmms]
+    return after_stop

@@ -62,7 +62,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import emit, summary
-from benchmarks._server import leftovers, log
+from benchmarks._server import log
 from benchmarks._soak import (
     CrashableServer,
     Server,
@@ -71,7 +71,7 @@ from benchmarks._soak import (
     log_excerpt,
     log_size,
     sdk_opts,
-    stop_leftover_vmms,
+    sweep_after_stop,
 )
 
 OPERATIONS = ("create", "pause", "resume", "snapshot", "fork", "template")
@@ -634,16 +634,7 @@ def main() -> None:
         except Exception as e:
             log(f"final cleanup through the API: {e}")
         srv.stop()
-        left = leftovers(srv.settings)
-        vmms = stop_leftover_vmms(srv.settings)
-        if any(left.values()):
-            from aenv.network import cleanup_leftovers
-
-            log(f"leftovers after stop, removing: {left}")
-            cleanup_leftovers(srv.settings)
-        after_stop = {k: v for k, v in left.items() if v}
-        if vmms:
-            after_stop["vmm_processes_killed"] = [str(p) for p in vmms]
+        after_stop = sweep_after_stop(srv.settings)
         result["leftovers_after_stop"] = after_stop
         if args.keep_log is not None and srv.log_path.exists():
             shutil.copy(srv.log_path, args.keep_log)

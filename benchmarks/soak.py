@@ -53,7 +53,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import emit, percentile, summary
-from benchmarks._server import leftovers, log
+from benchmarks._server import log
 from benchmarks._soak import (
     CrashableServer,
     Server,
@@ -65,7 +65,7 @@ from benchmarks._soak import (
     read_state,
     sdk_opts,
     start_writer,
-    stop_leftover_vmms,
+    sweep_after_stop,
 )
 
 T = TypeVar("T")
@@ -419,16 +419,7 @@ def main() -> None:
         except Exception as e:
             log(f"kill_all: {e}")
         srv.stop()
-        left = leftovers(srv.settings)
-        vmms = stop_leftover_vmms(srv.settings)
-        if any(left.values()):
-            from aenv.network import cleanup_leftovers
-
-            log(f"leftovers after stop, removing: {left}")
-            cleanup_leftovers(srv.settings)
-        after_stop = {k: v for k, v in left.items() if v}
-        if vmms:
-            after_stop["vmm_processes_killed"] = [str(p) for p in vmms]
+        after_stop = sweep_after_stop(srv.settings)
         result["leftovers_after_stop"] = after_stop
         if "leak_count" in result:
             result["leak_count"] += sum(len(v) for v in after_stop.values())
