@@ -27,6 +27,8 @@ from tests.conftest import free_port
 BUSYBOX_ENV = {"PATH": "/bin", "FOO": "from-image"}
 BUSYBOX_WORKDIR = "/srv"
 BUSYBOX_MARKER = "hello from the image\n"  # /srv/marker
+DEBIAN_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+              "LANG": "C.UTF-8"}
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,7 @@ class Registry:
     def push(self, layout: Path, repo_tag: str) -> str:
         """Push ``layout`` (an OCI layout, tag ``latest``) as ``<host>/<repo_tag>``."""
         ref = f"{self.host}/{repo_tag}"
-        cmd = ["skopeo", "copy", "-q", "--dest-tls-verify=false"]
+        cmd = ["skopeo", "copy", "-q", "--all", "--dest-tls-verify=false"]
         if self.credentials:
             cmd.append(f"--dest-creds={self.credentials[0]}:{self.credentials[1]}")
         subprocess.run([*cmd, f"oci:{layout}:latest", f"docker://{ref}"], check=True,
@@ -120,5 +122,43 @@ def busybox_layout(cache_dir: Path) -> Path:
         config = [f"--config.env={k}={v}" for k, v in BUSYBOX_ENV.items()]
         subprocess.run([*umoci, "config", "--image", f"{layout}:latest", *config,
                         f"--config.workingdir={BUSYBOX_WORKDIR}"], check=True)
+        os.replace(layout, final)
+    return final
+
+
+def debian_layout(cache_dir: Path) -> Path:
+    """A Debian minbase image without Python (bash, coreutils, apt, no python3) as an OCI
+    layout, made once per cache dir: ``debootstrap --variant=minbase`` reusing the
+    ``.deb`` files the base image build keeps under ``<cache>/debs`` (the mirror is asked
+    for its indexes only, once), trimmed as Debian's ``-slim`` images are (docs, man
+    pages, apt lists)."""
+    final = cache_dir / "test-images" / "debian-minbase-oci"
+    if (final / "index.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=final.parent) as tmp:
+        work = Path(tmp)
+        tree = work / "tree"
+        subprocess.run(["debootstrap", "--variant=minbase", "--components=main",
+                        f"--cache-dir={cache_dir / 'debs'}", debian.DEBIAN_SUITE, str(tree),
+                        debian.DEBIAN_MIRROR], check=True, capture_output=True)
+        if any(tree.glob("usr/bin/python*")):
+            raise RuntimeError("debootstrap's minbase has Python: not the image this wants")
+        for junk in ("usr/share/doc", "usr/share/man", "usr/share/info", "var/lib/apt/lists",
+                     "var/cache/apt", "var/log"):
+            shutil.rmtree(tree / junk, ignore_errors=True)
+            (tree / junk).mkdir(parents=True)
+        layout, bundle = work / "layout", work / "bundle"
+        umoci = ["umoci", "--log", "error"]
+        subprocess.run([*umoci, "init", "--layout", str(layout)], check=True)
+        subprocess.run([*umoci, "new", "--image", f"{layout}:latest"], check=True)
+        subprocess.run([*umoci, "unpack", "--image", f"{layout}:latest", str(bundle)],
+                       check=True, capture_output=True)
+        subprocess.run(["cp", "-a", f"{tree}/.", str(bundle / "rootfs")], check=True)
+        subprocess.run([*umoci, "repack", "--image", f"{layout}:latest", str(bundle)],
+                       check=True)
+        config = [f"--config.env={k}={v}" for k, v in DEBIAN_ENV.items()]
+        subprocess.run([*umoci, "config", "--image", f"{layout}:latest", *config,
+                        "--config.cmd=bash"], check=True)
         os.replace(layout, final)
     return final

@@ -110,8 +110,29 @@ def _blob(root: Path, data: bytes) -> dict[str, object]:
 def oci_layout(root: Path, layers: list[tuple[bytes, str]], *, tag: str = "latest",
                arch: str = "amd64", env: list[str] | None = None) -> Path:
     """An OCI layout with one image of ``layers`` ((bytes, compression)), lowest first."""
+    desc = _image(root, layers, arch, env)
+    return _index(root, [{**desc, "annotations": {"org.opencontainers.image.ref.name": tag}}])
+
+
+def oci_index_layout(root: Path, images: list[tuple[str, list[tuple[bytes, str]]]], *,
+                     tag: str = "latest", env: list[str] | None = None) -> Path:
+    """An OCI layout whose ``tag`` is an image index: one ``linux/<arch>`` image per
+    ``(arch, layers)`` of ``images``, in that order (a multi-platform image)."""
+    descs = [{**_image(root, layers, arch, env),
+              "platform": {"os": "linux", "architecture": arch}}
+             for arch, layers in images]
+    index = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
+             "manifests": descs}
+    desc = {"mediaType": "application/vnd.oci.image.index.v1+json",
+            **_blob(root, json.dumps(index).encode()),
+            "annotations": {"org.opencontainers.image.ref.name": tag}}
+    return _index(root, [desc])
+
+
+def _image(root: Path, layers: list[tuple[bytes, str]], arch: str,
+           env: list[str] | None) -> dict[str, object]:
+    """The descriptor of an image manifest (its blobs written under ``root``)."""
     root.mkdir(parents=True, exist_ok=True)
-    (root / "oci-layout").write_text(json.dumps({"imageLayoutVersion": "1.0.0"}))
     config = {"architecture": arch, "os": "linux",
               "config": {"Env": env or ["PATH=/bin"]},
               "rootfs": {"type": "layers", "diff_ids": []}}
@@ -121,12 +142,15 @@ def oci_layout(root: Path, layers: list[tuple[bytes, str]], *, tag: str = "lates
                    **_blob(root, json.dumps(config).encode())},
         "layers": [{"mediaType": LAYER_TYPE[kind], **_blob(root, data)}
                    for data, kind in layers]}
-    desc = {"mediaType": "application/vnd.oci.image.manifest.v1+json",
-            **_blob(root, json.dumps(manifest).encode()),
-            "annotations": {"org.opencontainers.image.ref.name": tag}}
+    return {"mediaType": "application/vnd.oci.image.manifest.v1+json",
+            **_blob(root, json.dumps(manifest).encode())}
+
+
+def _index(root: Path, manifests: list[dict[str, object]]) -> Path:
+    (root / "oci-layout").write_text(json.dumps({"imageLayoutVersion": "1.0.0"}))
     (root / "index.json").write_text(json.dumps(
         {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
-         "manifests": [desc]}))
+         "manifests": manifests}))
     return root
 
 
