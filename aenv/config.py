@@ -163,6 +163,30 @@ def _registry_hosts(v: str | None) -> str | None:
     return None
 
 
+def _redis_url(v: str | None) -> str | None:
+    if v is None or re.fullmatch(r"(?:rediss?|unix)://\S+", v):
+        return None
+    return "is not a redis://HOST:PORT/DB URL"
+
+
+def _node_id(v: str | None) -> str | None:
+    if v is None or re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", v):
+        return None
+    return "must be 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit"
+
+
+def _http_url(v: str | None) -> str | None:
+    if v is None or re.fullmatch(r"https?://[^/\s]+/?", v):
+        return None
+    return "is not an http(s)://HOST:PORT URL (no path)"
+
+
+def _cluster_secret(v: str | None) -> str | None:
+    if v is None or (len(v) >= 32 and re.fullmatch(r"[\x21-\x7e]+", v)):
+        return None
+    return "must be at least 32 printable ASCII characters without spaces"
+
+
 def _lower(raw: str) -> str:
     return raw.lower()
 
@@ -190,18 +214,18 @@ class _Declared:
     """What ``Settings`` and ``ClientSettings`` share: reading, overriding, printing."""
 
     @classmethod
-    def variables(cls) -> Iterator[tuple[dataclasses.Field, Var]]:
+    def variables(cls) -> Iterator[tuple[dataclasses.Field[Any], Var]]:
         for f in dataclasses.fields(cls):  # type: ignore[arg-type]
             if "var" in f.metadata:
                 yield f, f.metadata["var"]
 
     @classmethod
-    def declared(cls, name: str) -> tuple[dataclasses.Field, Var]:
+    def declared(cls, name: str) -> tuple[dataclasses.Field[Any], Var]:
         """Field ``name`` and its declaration."""
         return next((f, var) for f, var in cls.variables() if f.name == name)
 
     @classmethod
-    def _parser(cls, f: dataclasses.Field, var: Var) -> Callable[[str], Any]:
+    def _parser(cls, f: dataclasses.Field[Any], var: Var) -> Callable[[str], Any]:
         """``var.parse``, else the one for the field's annotated type."""
         return var.parse or _PARSERS[typing.get_type_hints(cls)[f.name]]
 
@@ -220,7 +244,7 @@ class _Declared:
         return cls(**values)
 
     @classmethod
-    def _value(cls, f: dataclasses.Field, var: Var, raw: str, name: str) -> Any:
+    def _value(cls, f: dataclasses.Field[Any], var: Var, raw: str, name: str) -> Any:
         shown = "<hidden>" if var.secret else repr(raw)
         try:
             value = cls._parser(f, var)(raw)
@@ -257,7 +281,7 @@ class _Declared:
     __str__ = __repr__
 
     @classmethod
-    def default_text(cls, f: dataclasses.Field) -> str | None:
+    def default_text(cls, f: dataclasses.Field[Any]) -> str | None:
         """The default as a variable's value spells it (``""``: unset); None when it is
         computed (``Var.shown`` says how)."""
         return None if f.default is dataclasses.MISSING else env_text(f.default)
@@ -404,6 +428,23 @@ class Settings(_Declared):
     layer_cache_mb: int = setting(
         "AENV_LAYER_CACHE_MB", 20480, check=_at_least(0),
         doc="MiB of pulled image blobs kept (least recently used go first)")
+
+    # -- many nodes (aenv/cluster): a node joins when cluster is set
+    cluster: str | None = setting(
+        "AENV_CLUSTER", None, flag="--cluster", check=_redis_url,
+        doc="`redis://HOST:PORT/DB` of the cluster's Redis: the node registers there and "
+            "publishes its sandboxes (`aenv gateway` reads it)")
+    node_id: str | None = setting(
+        "AENV_NODE_ID", None, flag="--node-id", check=_node_id, shown="the host name",
+        doc="this node's name in the cluster (letters, digits, `.`, `_`, `-`)")
+    advertise_url: str | None = setting(
+        "AENV_ADVERTISE_URL", None, flag="--advertise", check=_http_url,
+        shown="`http://<host>:<port>` of the listener",
+        doc="the URL gateways reach this node at")
+    cluster_secret: str | None = setting(
+        "AENV_CLUSTER_SECRET", None, secret=True, check=_cluster_secret,
+        doc="shared by gateways and nodes (32+ printable characters): gateway-to-node "
+            "calls carry it, and a node in a cluster accepts it instead of its API key")
 
     # -- layout ---------------------------------------------------------------------------
 

@@ -346,7 +346,8 @@ def sweep(hierarchies: Hierarchies, keep: Iterable[str], owned: Callable[[int, s
     ``min_age_s`` (another server with the same prefix may be about to spawn into it).
     Returns (removed, left) names."""
     keep = set(keep)
-    removed, left = [], []
+    removed: list[str] = []
+    left: list[str] = []
     now = time.time()
     for cg in hierarchies.existing():
         if cg.vm_id in keep:

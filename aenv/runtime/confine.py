@@ -287,9 +287,11 @@ def read_record(workdir: Path) -> dict[str, Any] | None:
     from .workdir import MANIFEST
 
     try:
-        return json.loads((workdir / MANIFEST).read_text()).get("confinement")
+        record: dict[str, Any] | None = json.loads(
+            (workdir / MANIFEST).read_text()).get("confinement")
     except (OSError, ValueError, AttributeError):
         return None
+    return record
 
 
 def prepare(conf: Confinement, vm_id: str, workdir: Path, *, vcpus: int, memory_mib: int,

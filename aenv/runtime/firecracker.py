@@ -661,8 +661,9 @@ class FirecrackerRuntime(Runtime):
             machine = FirecrackerMachine.from_json(manifest.vm, snapshot_dir / snapshots.MANIFEST)
             overrides_net: list[tuple[str, str]] = []
             if machine.network and overrides.tap:
-                machine = machine.with_tap(overrides.tap)
+                # with_tap changes the host side only; the guest's iface_id stays
                 overrides_net.append((machine.network.iface_id, overrides.tap))
+                machine = machine.with_tap(overrides.tap)
             drive_names = [f"{d.id}.raw" for d in manifest.drives]
             launch = await asyncio.to_thread(
                 self._launch, vm_id, workdir, overrides.netns, binary,

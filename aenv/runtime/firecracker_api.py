@@ -242,6 +242,8 @@ def _fault_message(reply: httpx.Response) -> str:
         body = reply.json()
     except ValueError:
         return reply.text.strip() or reply.reason_phrase
-    if isinstance(body, dict) and isinstance(body.get("fault_message"), str):
-        return body["fault_message"]
+    if isinstance(body, dict):
+        message = body.get("fault_message")
+        if isinstance(message, str):
+            return message
     return reply.text.strip()

@@ -22,6 +22,12 @@ import subprocess
 from pathlib import Path
 
 
+def _resolve(future: asyncio.Future[None]) -> None:
+    """Complete ``future`` unless it is already done (a reader may fire twice)."""
+    if not future.done():
+        future.set_result(None)
+
+
 class NotOurProcessError(Exception):
     """The pid is gone, or its cwd is not the working directory it should run in."""
 
@@ -95,8 +101,8 @@ class VMMProcess:
         """Wait for the exit; its status when it is our child, else None."""
         if self.is_alive():
             loop = asyncio.get_running_loop()
-            exited = loop.create_future()
-            loop.add_reader(self._pidfd, lambda: exited.done() or exited.set_result(None))
+            exited: asyncio.Future[None] = loop.create_future()
+            loop.add_reader(self._pidfd, _resolve, exited)
             try:
                 await exited
             finally:

@@ -41,6 +41,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import IO
 
 _CHUNK = 1 << 20
 # Leftovers of uploads that died with the server; a live upload is never this old.
@@ -229,7 +230,7 @@ async def _drain(chunks: AsyncIterator[bytes], limit: int) -> None:
             raise UploadTooLarge()
 
 
-def _flush_and_sync(f) -> None:
+def _flush_and_sync(f: IO[bytes]) -> None:
     f.flush()
     os.fsync(f.fileno())
 

@@ -74,7 +74,7 @@ def resolve(ref: str | ImageRef, directory: Path) -> DiskLayer:
     for fmt in ("qcow2", "raw"):
         path = directory / f"{layer_id}.{fmt}"
         if path.exists():
-            return DiskLayer(layer_id, path, fmt)  # type: ignore[arg-type]
+            return DiskLayer(layer_id, path, fmt)
     raise LayerError(f"layer {layer_id} is missing from {directory}")
 
 

@@ -20,12 +20,16 @@ from collections import deque
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..config import Settings
 from . import debian
 from ._fsutil import build_lock, staging
 from ._run import run
 from .errors import CommandFailed, KernelError
+
+if TYPE_CHECKING:  # kernel imports this module when it builds; only the type here
+    from .kernel import Kernel
 
 SOURCE_PACKAGE = "linux-source-6.1"
 _TOOLS = ("gcc", "make", "flex", "bison", "bc", "perl", "strip", "tar", "xz")
@@ -65,7 +69,7 @@ def missing_options(config_text: str, wanted: dict[str, str]) -> list[str]:
 
 
 def build_small_kernel(settings: Settings, *, progress: Callable[[str], None],
-                       jobs: int | None = None):
+                       jobs: int | None = None) -> Kernel:
     from .kernel import MANIFEST, read_manifest, write_manifest
 
     missing = [t for t in _TOOLS if shutil.which(t) is None]
@@ -129,7 +133,7 @@ def _unpack_source(deb: Path, work: Path, progress: Callable[[str], None]) -> tu
 
 def _configure(src: Path, build: Path, text: str, progress: Callable[[str], None]) -> None:
     progress("make tinyconfig + aenv fragment")
-    make = ["make", "-C", src, f"O={build}", "ARCH=x86_64"]
+    make: list[str | os.PathLike[str]] = ["make", "-C", src, f"O={build}", "ARCH=x86_64"]
     run([*make, "tinyconfig"])
     frag = build / "aenv-small.config"
     frag.write_text(text + '\nCONFIG_LOCALVERSION="-aenv-small"\n')

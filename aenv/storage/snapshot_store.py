@@ -148,12 +148,12 @@ def dependencies(path: Path, snapshots_root: Path, layers_root: Path) -> set[Pat
             files = set(_backing_chain(disk.drive))
     else:
         files = set(_backing_chain(path))
-    out = set()
+    out: set[Path] = set()
     for f in files:
         if f.parent == snapshots_root or f.parent.parent == snapshots_root:
-            d = f if f.parent == snapshots_root else f.parent
-            if d != path:
-                out.add(d)
+            owner = f if f.parent == snapshots_root else f.parent
+            if owner != path:
+                out.add(owner)
         elif f.parent == layers_root:
             out.add(f)
     return out

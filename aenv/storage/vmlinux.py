@@ -15,6 +15,7 @@ import struct
 import subprocess
 import zlib
 from collections.abc import Callable
+from typing import Protocol
 
 from .errors import KernelError
 
@@ -42,10 +43,14 @@ def _gzip(data: bytes) -> bytes:
     return zlib.decompressobj(wbits=31).decompress(data)
 
 
-def _stream(factory: Callable[[], object]) -> Callable[[bytes], bytes]:
+class _Decompressor(Protocol):
+    def decompress(self, data: bytes) -> bytes: ...
+
+
+def _stream(factory: Callable[[], _Decompressor]) -> Callable[[bytes], bytes]:
     # Decompressor objects stop at the end of their stream and ignore the size trailer.
     def decompress(data: bytes) -> bytes:
-        return factory().decompress(data)  # type: ignore[attr-defined]
+        return factory().decompress(data)
 
     return decompress
 

@@ -193,6 +193,8 @@ class _Pipes:
         self._fds: list[int] = []
         self.out_r, self.out_w = self._pipe()
         self.err_r, self.err_w = self._pipe()
+        self.in_r: int | None
+        self.in_w: int | None
         self.in_r, self.in_w = self._pipe() if stdin else (None, None)
 
     def _pipe(self) -> tuple[int, int]:
@@ -239,7 +241,7 @@ class _Handshake:
                 self.r = os.dup(_HANDSHAKE_FD)
                 os.close(_HANDSHAKE_FD)
 
-    def actions(self) -> list[tuple]:
+    def actions(self) -> list[tuple[int, int, int]]:
         return [] if self.cgroup is None else [(os.POSIX_SPAWN_DUP2, self.r, _HANDSHAKE_FD)]
 
     def release(self, pid: int | None) -> None:
@@ -315,8 +317,7 @@ def _spawn_forking(spec: LaunchSpec) -> Spawned:
 
 
 def _spawn_forking_unplaced(spec: LaunchSpec) -> Spawned:
-    creds = {"user": spec.user.uid, "group": spec.user.gid,
-             "extra_groups": list(spec.user.groups)}
+    user, group, extra_groups = spec.user.uid, spec.user.gid, list(spec.user.groups)
     if spec.pty_size is not None:
         master, slave = open_pty(*spec.pty_size)
         try:
@@ -326,7 +327,7 @@ def _spawn_forking_unplaced(spec: LaunchSpec) -> Spawned:
                 spec.argv(), stdin=slave, stdout=slave, stderr=slave, env=spec.env,
                 close_fds=True, start_new_session=True,
                 preexec_fn=take_controlling_tty,
-                **creds,  # type: ignore[arg-type]
+                user=user, group=group, extra_groups=extra_groups,
             )
         except BaseException:
             os.close(master)
@@ -340,7 +341,7 @@ def _spawn_forking_unplaced(spec: LaunchSpec) -> Spawned:
         popen = subprocess.Popen(
             spec.argv(), stdin=pipes.in_r if pipes.in_r is not None else subprocess.DEVNULL,
             stdout=pipes.out_w, stderr=pipes.err_w, env=spec.env, close_fds=True,
-            **creds,  # type: ignore[arg-type]
+            user=user, group=group, extra_groups=extra_groups,
         )
         pipes.close_child_ends()
     except BaseException:

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import aclosing, contextmanager
 from pathlib import Path
+from typing import Any
 
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from connectrpc.request import RequestContext
+from protobuf import Oneof
 
 from ..proto import process_pb
 from ..state import EnvdState
@@ -38,6 +40,10 @@ _SIGNALS = {
 # SendSignal(SIGKILL) answers once the process is reaped (a client that checks `kill -0`
 # right after must not find a zombie), waiting at most this long.
 _KILL_REAP_WAIT_S = 2.0
+
+Ctx = RequestContext[Any, Any]
+_StreamStart = process_pb.StreamInputRequest.StartEvent
+_StreamData = process_pb.StreamInputRequest.DataEvent
 
 
 def _start_response(event: process_pb.ProcessEvent) -> process_pb.StartResponse:
@@ -73,7 +79,7 @@ class ProcessService:
     # --- streams -------------------------------------------------------------------------
 
     async def start(self, request: process_pb.StartRequest,
-                    ctx: RequestContext) -> AsyncIterator[process_pb.StartResponse]:
+                    ctx: Ctx) -> AsyncIterator[process_pb.StartResponse]:
         with _as_connect_errors():
             user = self._user(ctx)
             spec = plan(request, user, self.state.env_vars, self.state.default_workdir,
@@ -91,7 +97,8 @@ class ProcessService:
                 yield response
 
     async def connect(self, request: process_pb.ConnectRequest,
-                      ctx: RequestContext) -> AsyncIterator[process_pb.ConnectResponse]:
+                      ctx: Ctx) -> AsyncIterator[process_pb.ConnectResponse]:
+        events: AsyncGenerator[process_pb.ConnectResponse, None] | None = None
         with _as_connect_errors():
             selector = parse_selector(request.process)
             try:
@@ -100,10 +107,9 @@ class ProcessService:
                 exited = self.registry.find_exited(selector)
                 if exited is None:
                     raise
-                handle = None
-        if handle is None:
-            events = exited_events(exited.pid, exited.status, _connect_response)
-        else:
+                # an async generator: nothing of it runs before the first iteration
+                events = exited_events(exited.pid, exited.status, _connect_response)
+        if events is None:
             events = process_events(handle.fanout.subscribe(), handle.pid, _connect_response,
                                     keepalive_interval(ctx.request_headers), _deadline(ctx))
         async with aclosing(events):
@@ -113,14 +119,14 @@ class ProcessService:
     # --- unary ---------------------------------------------------------------------------
 
     async def list(self, request: process_pb.ListRequest,
-                   ctx: RequestContext) -> process_pb.ListResponse:
+                   ctx: Ctx) -> process_pb.ListResponse:
         return process_pb.ListResponse(processes=[
             process_pb.ProcessInfo(config=h.config, pid=h.pid, tag=h.tag)
             for h in self.registry.live()
         ])
 
     async def send_signal(self, request: process_pb.SendSignalRequest,
-                          ctx: RequestContext) -> process_pb.SendSignalResponse:
+                          ctx: Ctx) -> process_pb.SendSignalResponse:
         with _as_connect_errors():
             handle = self.registry.find(parse_selector(request.process))
             signum = _SIGNALS.get(request.signal)
@@ -132,25 +138,26 @@ class ProcessService:
         return process_pb.SendSignalResponse()
 
     async def send_input(self, request: process_pb.SendInputRequest,
-                         ctx: RequestContext) -> process_pb.SendInputResponse:
+                         ctx: Ctx) -> process_pb.SendInputResponse:
         with _as_connect_errors():
             handle = self.registry.find(parse_selector(request.process))
             await _write_input(handle, request.input)
         return process_pb.SendInputResponse()
 
     async def stream_input(self, requests: AsyncIterator[process_pb.StreamInputRequest],
-                           ctx: RequestContext) -> process_pb.StreamInputResponse:
+                           ctx: Ctx) -> process_pb.StreamInputResponse:
         with _as_connect_errors():
             handle = None
             async for message in requests:
-                match message.event.field if message.event else None:
-                    case "start":
-                        handle = self.registry.find(parse_selector(message.event.value.process))
-                    case "data":
+                # the value patterns only narrow the type: each field has one message type
+                match message.event:
+                    case Oneof(field="start", value=_StreamStart() as start):
+                        handle = self.registry.find(parse_selector(start.process))
+                    case Oneof(field="data", value=_StreamData() as data):
                         if handle is None:
                             raise InvalidRequest("input stream must open with a start event")
-                        await _write_input(handle, message.event.value.input)
-                    case "keepalive":
+                        await _write_input(handle, data.input)
+                    case Oneof(field="keepalive"):
                         pass
                     case _:
                         raise InvalidRequest("input stream event must be start, data or "
@@ -158,13 +165,13 @@ class ProcessService:
         return process_pb.StreamInputResponse()
 
     async def close_stdin(self, request: process_pb.CloseStdinRequest,
-                          ctx: RequestContext) -> process_pb.CloseStdinResponse:
+                          ctx: Ctx) -> process_pb.CloseStdinResponse:
         with _as_connect_errors():
             self.registry.find(parse_selector(request.process)).close_stdin()
         return process_pb.CloseStdinResponse()
 
     async def update(self, request: process_pb.UpdateRequest,
-                     ctx: RequestContext) -> process_pb.UpdateResponse:
+                     ctx: Ctx) -> process_pb.UpdateResponse:
         with _as_connect_errors():
             handle = self.registry.find(parse_selector(request.process))
             if request.pty is not None:
@@ -174,7 +181,7 @@ class ProcessService:
 
     # --- helpers -------------------------------------------------------------------------
 
-    def _user(self, ctx: RequestContext) -> User:
+    def _user(self, ctx: Ctx) -> User:
         name = basic_auth_user(ctx.request_headers.get("authorization"))
         return User.lookup(name or self.state.default_user)
 
@@ -189,7 +196,7 @@ async def _write_input(handle: ProcessHandle, data: process_pb.ProcessInput | No
         await handle.write_pty(chosen.value)
 
 
-def _deadline(ctx: RequestContext) -> float | None:
+def _deadline(ctx: Ctx) -> float | None:
     """Connect-Timeout-Ms as a ``loop.time()``; absent or 0 means none, as connect-go and
     upstream read it."""
     if ctx.request_headers.get("connect-timeout-ms", "0").strip() in ("", "0"):

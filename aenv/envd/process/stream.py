@@ -15,8 +15,8 @@ client disconnect (connectrpc then closes the generator); the process keeps runn
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
-from typing import TypeVar
+from collections.abc import AsyncGenerator, Callable
+from typing import Literal, TypeAlias, TypeVar, cast
 
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
@@ -31,6 +31,9 @@ DEFAULT_KEEPALIVE_S = 90.0
 
 Event = process_pb.ProcessEvent
 Response = TypeVar("Response", process_pb.StartResponse, process_pb.ConnectResponse)
+# DataEvent.output as the generated message declares it: one Oneof per output field
+_Output: TypeAlias = (Oneof[Literal["stdout"], bytes] | Oneof[Literal["stderr"], bytes]
+                      | Oneof[Literal["pty"], bytes])
 
 
 def keepalive_interval(headers: Headers) -> float:
@@ -42,17 +45,29 @@ def keepalive_interval(headers: Headers) -> float:
 
 
 def start_event(pid: int) -> Event:
-    return Event(event=Oneof("start", Event.StartEvent(pid=pid)))
+    start: Oneof[Literal["start"], Event.StartEvent] = Oneof("start", Event.StartEvent(pid=pid))
+    return Event(event=start)
 
 
 def end_event(status: ExitStatus) -> Event:
-    return Event(event=Oneof("end", Event.EndEvent(
+    end: Oneof[Literal["end"], Event.EndEvent] = Oneof("end", Event.EndEvent(
         exit_code=status.exit_code, exited=status.exited, status=status.status,
         error=status.error,
-    )))
+    ))
+    return Event(event=end)
 
 
-_KEEPALIVE = Event(event=Oneof("keepalive", Event.KeepAlive()))
+def data_event(kind: str, data: bytes) -> Event:
+    """A chunk of output; ``kind`` is the field the fanout read it for (``stdout``,
+    ``stderr`` or ``pty``)."""
+    output = cast(_Output, Oneof(kind, data))
+    chunk: Oneof[Literal["data"], Event.DataEvent] = Oneof("data", Event.DataEvent(output=output))
+    return Event(event=chunk)
+
+
+_KEEPALIVE_EVENT: Oneof[Literal["keepalive"], Event.KeepAlive] = Oneof("keepalive",
+                                                                       Event.KeepAlive())
+_KEEPALIVE = Event(event=_KEEPALIVE_EVENT)
 
 
 async def process_events(
@@ -61,7 +76,7 @@ async def process_events(
     wrap: Callable[[Event], Response],
     keepalive_s: float,
     deadline: float | None = None,
-) -> AsyncIterator[Response]:
+) -> AsyncGenerator[Response, None]:
     """Stream a live process. ``deadline`` is a ``loop.time()`` value or None."""
     loop = asyncio.get_running_loop()
     try:
@@ -84,14 +99,14 @@ async def process_events(
                 yield wrap(end_event(item))
                 return
             kind, data = item
-            yield wrap(Event(event=Oneof("data", Event.DataEvent(output=Oneof(kind, data)))))
+            yield wrap(data_event(kind, data))
             next_keepalive = loop.time() + keepalive_s
     finally:
         subscription.close()
 
 
 async def exited_events(pid: int, status: ExitStatus,
-                        wrap: Callable[[Event], Response]) -> AsyncIterator[Response]:
+                        wrap: Callable[[Event], Response]) -> AsyncGenerator[Response, None]:
     """Replay a recently exited process: its start, then its stored end."""
     yield wrap(start_event(pid))
     yield wrap(end_event(status))
