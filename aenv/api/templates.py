@@ -97,11 +97,13 @@ class BuildStart(_Body):
 
 
 def builder(request: Request) -> Builder:
-    return request.app.state.builder
+    b: Builder = request.app.state.builder  # set by create_api
+    return b
 
 
 def store(request: Request) -> TemplateStore:
-    return request.app.state.orchestrator.templates
+    s: TemplateStore = request.app.state.orchestrator.templates
+    return s
 
 
 def _upload_token(request: Request, template_id: str, files_hash: str, expires: int) -> str:

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import typer
 from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+if TYPE_CHECKING:  # the annotation only; _settings() imports it when called
+    from ..config import Settings
 
 kernel_app = typer.Typer(no_args_is_help=True, help="Guest kernels (cloud: Debian; small: built).")
 image_app = typer.Typer(no_args_is_help=True, help="Root-filesystem images for guests.")
@@ -46,7 +49,7 @@ class _Steps:
         self.progress.update(self.task, advance=1, description=message[:90])
 
 
-def _settings():
+def _settings() -> Settings:
     from ..config import Settings, SettingsError
 
     try:
@@ -187,7 +190,7 @@ def image_pull(
         _fail(ValueError("--username needs --password-stdin (passwords are never flags)"))
     progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
                         TransferSpeedColumn())
-    tasks: dict[str, int] = {}
+    tasks: dict[str, TaskID] = {}
 
     def on_blob(event: BlobProgress) -> None:
         task = tasks.get(event.digest)

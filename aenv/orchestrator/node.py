@@ -18,9 +18,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
-from ..client.envd import ENVD_PORT, EnvdClient
+from ..client.envd import EnvdClient
 from ..config import Settings
+from ..envd import ENVD_PORT
 from ..guest.bootargs import ToolsBoot, guest_boot_args
 from ..network import EgressPolicy, NetworkSlot, SlotPool, cleanup_leftovers
 from ..runtime import (
@@ -110,7 +112,7 @@ class NodeMachines:
         # Snapshot writes and garbage collection never overlap (a half-written snapshot
         # is not yet anyone's root).
         self._snapshot_lock = asyncio.Lock()
-        self._console_task: asyncio.Task | None = None
+        self._console_task: asyncio.Task[None] | None = None
 
     # -- node life ------------------------------------------------------------------------
 
@@ -362,14 +364,14 @@ class NodeMachines:
             await running.vm.stop()
             await asyncio.to_thread(self._release, running.slot)
         elif rec.slot is not None and rec.slot not in self.in_use():
-            await self._stop_orphan(rec)
+            await self._stop_orphan(rec, rec.slot)
         if rec.vm_dir:
             # Unlinking a guest-RAM file of hundreds of MiB takes tens of ms: not on the loop.
             await asyncio.to_thread(wd.remove, Path(rec.vm_dir))
 
-    async def _stop_orphan(self, rec: SandboxRecord) -> None:
+    async def _stop_orphan(self, rec: SandboxRecord, slot_index: int) -> None:
         """After a restart: end a VM this server never adopted and free the slot that
-        ``prepare`` kept for it."""
+        ``prepare`` kept for it (``slot_index``: the record's)."""
         if rec.vm_dir:
             try:
                 vm = await self.runtime.attach(Path(rec.vm_dir))
@@ -377,7 +379,7 @@ class NodeMachines:
             except AttachError:
                 pass
         try:
-            slot = await asyncio.to_thread(self.pool.adopt, rec.slot, egress_policy(rec))
+            slot = await asyncio.to_thread(self.pool.adopt, slot_index, egress_policy(rec))
         except Exception:
             return  # gone already; adopt freed the index
         await asyncio.to_thread(self._release, slot)
@@ -498,7 +500,7 @@ class NodeMachines:
         """The root disk file the VM writes now: after a running snapshot that is a new
         overlay, not the file it was started with."""
         path = running.vm.active_drive("rootfs")
-        fmt = "qcow2" if path.suffix == ".qcow2" else "raw"
+        fmt: Literal["raw", "qcow2"] = "qcow2" if path.suffix == ".qcow2" else "raw"
         base = running.disk.base if running.disk is not None else path
         return Disk(path, fmt, "qcow2" if fmt == "qcow2" else "reflink", base)
 
@@ -510,7 +512,7 @@ class NodeMachines:
         finally:
             await envd.aclose()
 
-    def logs(self, rec: SandboxRecord, start: int | None, limit: int) -> list[dict]:
+    def logs(self, rec: SandboxRecord, start: int | None, limit: int) -> list[dict[str, Any]]:
         """The VM's serial console, one entry per line (timestamps: the file's mtime)."""
         if not rec.vm_dir:
             return []
