@@ -4,8 +4,11 @@ Each run pulls the image (four ~25 MB gzip layers of random bytes, so the MB are
 transfer) into the blob cache and applies its layers into a fresh tree. Cold runs start
 with an empty cache; warm runs reuse it (a tag: one manifest request, no blob bytes).
 Prints one JSON object: p50/p99 wall ms per phase, MB/s of the cold pull, bytes
-transferred. Needs docker-registry and skopeo (scripts/setup.sh), and root for the
-unpack (ownership). Usage: python benchmarks/image_pull.py [--runs N]
+transferred. ``prepare`` is the template builder's own path (``RegistryImages.prepare``:
+the pull, then the layers unpacked and the ext4 image written with the tools user), cold in
+a fresh home and warm in the same one, where the image is found by its digest. Needs
+docker-registry and skopeo (scripts/setup.sh), and root for the unpack (ownership).
+Usage: python benchmarks/image_pull.py [--runs N]
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from aenv.config import Settings
+from aenv.orchestrator.from_image import ImageRequest, RegistryImages
 from aenv.storage import tar_layers
 from aenv.storage.registry import pull_image
-from benchmarks._common import emit, summary
+from aenv.storage.registry_ref import parse_reference
+from benchmarks._common import emit, percentile, summary
 from tests.registries import Registry, oci_layout, tar_layer
 
 
@@ -41,6 +46,16 @@ def _run(settings: Settings, ref: str, scratch: Path) -> dict[str, float]:
             "total_ms": (t2 - t0) * 1e3, "bytes": float(image.bytes_transferred)}
 
 
+def _prepare(settings: Settings, ref: str) -> dict[str, float]:
+    lines: list[str] = []
+    t0 = time.monotonic()
+    RegistryImages(settings).prepare(ImageRequest(parse_reference(ref)), lines.append)
+    ms = (time.monotonic() - t0) * 1e3
+    (mb,) = [float(line.split(", ")[-1].split()[0]) for line in lines
+             if line.startswith("pulled ")]
+    return {"prepare_ms": ms, "bytes": mb * 1e6}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=5)
@@ -55,10 +70,16 @@ def main() -> None:
         ref = registry.push(oci_layout(work / "layout", layers), "bench/big")
         print(f"pushed {size / 1e6:.1f} MB as {ref}", file=sys.stderr)
         cold, warm = [], []
+        prepare_cold: list[dict[str, float]] = []
+        prepare_warm: list[dict[str, float]] = []
         for i in range(args.runs):
             settings = Settings(home=work / f"home-{i}")
             cold.append(_run(settings, ref, work))
             warm.append(_run(settings, ref, work))
+            shutil.rmtree(settings.home)
+            settings = Settings(home=work / f"home-{i}-prepare")
+            prepare_cold.append(_prepare(settings, ref))
+            prepare_warm.append(_prepare(settings, ref))
             shutil.rmtree(settings.home)
         emit({
             "image_mb": round(size / 1e6, 1), "runs": args.runs,
@@ -70,6 +91,12 @@ def main() -> None:
                                                   [len(cold) // 2] / 1e3), 1),
             "cold_bytes_transferred": [int(r["bytes"]) for r in cold],
             "warm_bytes_transferred": [int(r["bytes"]) for r in warm],
+            "prepare_cold_ms": summary([r["prepare_ms"] for r in prepare_cold]),
+            "prepare_warm_ms": summary([r["prepare_ms"] for r in prepare_warm]),
+            "prepare_warm_pct_of_cold": round(
+                100 * percentile([r["prepare_ms"] for r in prepare_warm], 50)
+                / percentile([r["prepare_ms"] for r in prepare_cold], 50), 1),
+            "prepare_warm_mb_transferred": [r["bytes"] / 1e6 for r in prepare_warm],
         })
     finally:
         registry.stop()
