@@ -46,7 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..client.envd import ENVD_PORT, EnvdClient, EnvdError
+from ..client.envd import EnvdClient, EnvdError
+from ..envd import ENVD_PORT
 from ..storage import build_archives
 from ..storage.errors import StorageError
 from ..store import (
@@ -288,7 +289,7 @@ def step_failure(what: str, status: str, step: str, output: _Output | None) -> s
     """``<what>: <status>`` (E2B's words), then the end of what the step printed."""
     message = f"{what}: {status}"
     lines = output.last_lines() if output else []
-    if lines:
+    if output and lines:
         shown = (f"last {len(lines)} of {output.lines} lines" if output.lines > len(lines)
                  else "output")
         message += f"\nstep {step} {shown}:\n" + "\n".join(lines)
@@ -314,8 +315,8 @@ class Builder:
         self.waiting_deadline = waiting_deadline
         # Where ``fromImage`` builds get their image (a registry pull); None: refused.
         self.images = images
-        self._tasks: dict[str, asyncio.Task] = {}
-        self._sweeper: asyncio.Task | None = None
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._sweeper: asyncio.Task[None] | None = None
 
     # -- requests -------------------------------------------------------------------------
 
@@ -395,11 +396,14 @@ class Builder:
                 from_image = check_request(spec["fromImage"], registry)
             except InvalidRequest as e:
                 raise refuse("base", e) from None
-        parent = None
+        parent: TemplateRecord | ImageRequest
         if from_image is None:
-            parent = self.templates.get(parent_id)
-            if parent is None or parent.status != BuildStatus.READY:
+            record = self.templates.get(parent_id)
+            if record is None or record.status != BuildStatus.READY:
                 raise refuse("base", TemplateNotFound(parent_id))
+            parent = record
+        else:
+            parent = from_image
         for i, step in enumerate(spec.get("steps") or [], start=1):
             kind = step.get("type")
             if kind not in STEP_TYPES:
@@ -422,8 +426,7 @@ class Builder:
         self.templates.update_build(build_id, status=BuildStatus.BUILDING,
                                     spec={**spec, "names": names})
         self._settle(template_id)
-        task = asyncio.create_task(self._run(tpl.id, build_id, parent or from_image, spec,
-                                             names),
+        task = asyncio.create_task(self._run(tpl.id, build_id, parent, spec, names),
                                    name=f"aenv-build-{build_id}")
         self._tasks[build_id] = task
         task.add_done_callback(lambda _: self._tasks.pop(build_id, None))

@@ -88,7 +88,7 @@ def _from_layout(root: Path) -> OciImage:
 
 def _pick_manifest(root: Path, index: dict[str, Any]) -> dict[str, Any]:
     """The linux/amd64 manifest (descending into nested indexes), or the only one there is."""
-    manifests = index.get("manifests") or []
+    manifests: list[dict[str, Any]] = index.get("manifests") or []
     if not manifests:
         raise LayerError("OCI index lists no manifest")
     chosen = manifests[0]
