@@ -28,6 +28,7 @@ proto:
 	cd aenv/envd/proto && PATH=$(CURDIR)/$(VENV)/bin:$$PATH protoc -I. -I/usr/include --py_out=. process.proto filesystem.proto
 
 # ruff, then mypy --strict on aenv/ (configured in pyproject.toml's [tool.mypy]).
+# tests/test_lint.py runs the same two, so make test fails on what this reports.
 lint:
 	$(VENV)/bin/ruff check aenv tests benchmarks
 	$(VENV)/bin/mypy
