@@ -7,7 +7,7 @@ real ``docker-registry`` on loopback (images pushed with skopeo):
 - an image whose upper layer deletes a lower layer's file (a whiteout) and makes a directory
   opaque: the sandbox sees neither the file nor the directory's old entries;
 - an image index with an arm64 entry listed before the amd64 one: the build takes the amd64
-  image (its marker file);
+  image (its marker file); an index without amd64 is a build error naming what it has;
 - ``Template().from_dockerfile`` whose ``FROM`` names an image in the registry, with ``ENV``
   and ``RUN`` on top.
 
@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 from e2b import Sandbox, Template
+from e2b.exceptions import BuildException
 from e2b.sandbox.commands.command_handle import CommandExitException, PtySize
 from e2b.sandbox.filesystem.watch_handle import FilesystemEventType
 
@@ -181,6 +182,18 @@ def test_an_image_index_gives_the_amd64_image(
         assert sbx.commands.run("cat /srv/arch").stdout == "amd64\n"
     finally:
         sbx.kill()
+
+
+def test_an_index_without_amd64_is_a_build_error_that_names_its_platforms(
+        registry: Registry, busybox_layer: tuple[bytes, str], tmp_path: Path) -> None:
+    layout = oci_index_layout(tmp_path / "no-amd64", [
+        (arch, [busybox_layer]) for arch in ("arm64", "s390x")])
+    ref = registry.push(layout, "no-amd64:1")
+    with pytest.raises(BuildException) as e:
+        _build(Template().from_image(ref), "noamd64")
+    message = str(e.value)
+    assert "linux/amd64" in message
+    assert "linux/arm64" in message and "linux/s390x" in message
 
 
 # -- a Dockerfile FROM a registry image -------------------------------------------------------
