@@ -18,6 +18,8 @@ from typing import Any
 
 from .api.app import create_api
 from .api.auth import load_api_key
+from .cluster.node_agent import PublishAfterChange
+from .cluster.node_setup import node_agent
 from .config import Settings
 from .envd.signing import Operation
 from .envd.signing import signature as envd_signature
@@ -110,7 +112,11 @@ class Server:
             self.orchestrator, api_key=self.api_key, domain=self.options.domain,
             metrics=self.metrics, logs=self.machines.logs, lifespan=lifespan,
             builder=self.builder, upload_secret=self.api_key.encode(),
+            cluster_secret=settings.cluster_secret if settings.cluster else None,
         )
+        self.cluster = node_agent(settings, self.sandboxes) if settings.cluster else None
+        if self.cluster is not None:
+            api = PublishAfterChange(api, self.cluster)
         self.app = Front(api, self.proxy, self._signed_lookup, self._token_lookup)
 
     async def start(self) -> None:
@@ -127,6 +133,8 @@ class Server:
             # base is a snapshot too: creates restore it (~0.1 s) instead of booting (~5 s).
             await self.orchestrator.snapshot_template(BASE_TEMPLATE, key)
         await self.metrics.start()
+        if self.cluster is not None:  # last: ready for the creates a gateway sends
+            await self.cluster.start()
         log.info("aenv server ready; API key in %s", self.api_key_file or "$AENV_API_KEY")
 
     def _builtin_templates(self) -> None:
@@ -137,6 +145,8 @@ class Server:
                 disk_size_mb=self.options.default_disk_mb, now=time.time()))
 
     async def close(self) -> None:
+        if self.cluster is not None:  # first: no new creates while the node stops
+            await self.cluster.close()
         await self.metrics.close()
         await self.builder.close()
         await self.orchestrator.close()

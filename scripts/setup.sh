@@ -34,6 +34,7 @@ TEST_APT_PACKAGES=(
   apache2-utils    # htpasswd: the auth registry of tests/local_registry.py
   dnsmasq-base     # tests/server/test_tls_e2e.py: a resolver for *.aenv.test (no service)
   docker-registry  # tests/local_registry.py: a real OCI registry on loopback
+  redis-server     # tests/cluster: a real Redis on loopback (started by the tests, no service)
   skopeo           # tests/local_registry.py: pushes the test images
   umoci            # tests/local_registry.py: makes the test images (OCI layouts)
 )

@@ -80,6 +80,7 @@ def create_api(
     upload_link_ttl: float = templates.UPLOAD_LINK_TTL_S,
     lifespan: Callable[[Any], Any] | None = None,
     extra_routers: tuple[APIRouter, ...] = (),
+    cluster_secret: str | None = None,
 ) -> ASGIApp:
     app = FastAPI(title="aenv", openapi_url="/openapi.json", docs_url=None, redoc_url=None,
                   lifespan=lifespan)
@@ -107,4 +108,4 @@ def create_api(
     for router in extra_routers:
         app.include_router(router)
     limited = BodyLimit(app, overrides=[("PUT", UPLOAD_PATH, upload_limit)])
-    return ApiKeyMiddleware(limited, api_key)
+    return ApiKeyMiddleware(limited, api_key, cluster_secret)

@@ -107,11 +107,17 @@ def _write_new_key(path: Path, replace: bool) -> str:
 
 
 class ApiKeyMiddleware:
-    def __init__(self, app: ASGIApp, key: str) -> None:
+    """``cluster_secret``: a node in a cluster also lets in a call that carries it in
+    ``X-Aenv-Cluster-Secret`` (a gateway's, see ``aenv.cluster.trust``)."""
+
+    def __init__(self, app: ASGIApp, key: str, cluster_secret: str | None = None) -> None:
         if problem := _problem(key):
             raise ValueError(f"the API key {problem}")
+        if cluster_secret is not None and (problem := _problem(cluster_secret)):
+            raise ValueError(f"the cluster secret {problem}")
         self.app = app
         self.key = key.encode()
+        self.secret = cluster_secret.encode() if cluster_secret else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -119,6 +125,10 @@ class ApiKeyMiddleware:
         path = scope["path"]
         if path in OPEN_PATHS or (scope["method"] == "PUT" and _SIGNED_UPLOAD.match(path)):
             return await self.app(scope, receive, send)
+        if self.secret is not None:
+            secret = [v for k, v in scope["headers"] if k == b"x-aenv-cluster-secret"]
+            if len(secret) == 1 and hmac.compare_digest(secret[0], self.secret):
+                return await self.app(scope, receive, send)
         given = [v for k, v in scope["headers"] if k == b"x-api-key"]
         if len(given) != 1 or not given[0] or not hmac.compare_digest(given[0], self.key):
             msg = "missing API key (X-API-KEY)" if not any(given) else "invalid API key"

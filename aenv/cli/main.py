@@ -18,9 +18,10 @@ def _main() -> None:
 
 
 def _register() -> None:
-    from . import doctor, images, sandbox, server, template
+    from . import doctor, gateway, images, sandbox, server, template
 
     doctor.register(app)
+    gateway.register(app)
     images.register(app)
     sandbox.register(app)
     server.register(app)

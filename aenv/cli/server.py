@@ -90,11 +90,16 @@ def server(
     tls_cert: Path | None = _flag("tls_cert", dir_okay=False),
     tls_key: Path | None = _flag("tls_key", dir_okay=False),
     tls_self_signed: bool | None = _flag("tls_self_signed"),
+    cluster: str | None = _flag("cluster"),
+    node_id: str | None = _flag("node_id"),
+    advertise: str | None = _flag("advertise_url"),
 ) -> None:
     """Serve the E2B-compatible API and sandbox traffic on one listener."""
     import uvicorn
 
     from ..api.auth import ApiKeyError, load_api_key
+    from ..cluster.node_setup import NodeSetupError
+    from ..cluster.node_setup import check as cluster_check
     from ..instance_lock import InstanceTaken, claim_instance
     from ..tls import TlsError, listener_tls
 
@@ -107,8 +112,10 @@ def server(
             "max_sandboxes": max_sandboxes, "max_starting": max_starting,
             "max_fork": max_fork, "log_level": log_level and log_level.lower(),
             "snapshot_base": snapshot_base, "tls_cert": tls_cert, "tls_key": tls_key,
-            "tls_self_signed": tls_self_signed})
-    except SettingsError as e:
+            "tls_self_signed": tls_self_signed, "cluster": cluster, "node_id": node_id,
+            "advertise_url": advertise})
+        cluster_check(settings)
+    except (SettingsError, NodeSetupError) as e:
         typer.echo(f"aenv server: {e}", err=True)
         raise typer.Exit(1) from None
     s = settings

@@ -6,7 +6,8 @@ Sandbox traffic is recognised by a Host of ``<port>-<id>.<domain>``, by the
 signed ``download_url``/``upload_url``, which carry no routing headers — by a ``/files``
 request with a ``signature`` that one running sandbox's token reproduces.
 
-A request with ``X-API-KEY`` is an API call even when it has the routing headers: SDKs from 2.7
+A request with ``X-API-KEY`` (or a gateway's ``X-Aenv-Cluster-Secret``, see
+``aenv.cluster.trust``) is an API call even when it has the routing headers: SDKs from 2.7
 to about 2.50 send them on ``POST /sandboxes/{id}/connect`` too, and the SDK never sends the API
 key to envd.
 
@@ -42,7 +43,8 @@ class Front:
         if scope["type"] not in ("http", "websocket"):
             return await self.api(scope, receive, send)
         headers = dict(scope["headers"])
-        api_call = b"x-api-key" in headers
+        # A gateway's REST calls to a node carry the cluster secret instead (aenv/cluster).
+        api_call = b"x-api-key" in headers or b"x-aenv-cluster-secret" in headers
         target = parse_host(headers.get(b"host", b"").decode("latin-1"))
         if target is None and not api_call:
             sid = headers.get(b"e2b-sandbox-id")

@@ -62,7 +62,10 @@ _HOP_BY_HOP = {
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
     b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length",
 }
-_STRIP = {b"e2b-sandbox-id", b"e2b-sandbox-port", b"e2b-traffic-access-token", b"x-api-key"}
+_STRIP = {b"e2b-sandbox-id", b"e2b-sandbox-port", b"e2b-traffic-access-token", b"x-api-key",
+          b"x-aenv-cluster-secret"}
+# Kept when the upstream is a node (``Route.node``): the node routes and checks them itself.
+_FOR_NODE = {b"e2b-traffic-access-token"}
 # envd routes the orchestrator uses (aenv's envd has /init; E2B's envd also the rest, spec
 # 3.2); never reachable from outside.
 _ENVD_INTERNAL = frozenset({"/init", "/freeze", "/unfreeze", "/collapse", "/fsfreeze",
@@ -91,6 +94,29 @@ class Route:
     # ``network.maskRequestHost``: the Host user-port requests carry upstream (``${PORT}``
     # is the port); None: the guest's own address, as before.
     mask_host: str | None = None
+    # A gateway's route (aenv/cluster): the sandbox lives on the node at this (host, port).
+    # Requests go there with E2b-Sandbox-Id/-Port headers and the client's Host, the
+    # node checks traffic tokens itself, and one connection pool serves the whole node.
+    node: tuple[str, int] | None = None
+
+    @property
+    def pool(self) -> str:
+        """What upstream connections are pooled by."""
+        return f"node:{self.node[0]}:{self.node[1]}" if self.node else self.sandbox_id
+
+    def address(self, port: int) -> tuple[str, int]:
+        """Where the request's connection goes."""
+        return self.node or (self.host_ip, port)
+
+    def upstream_headers(self, scope: Scope, port: int) -> Headers:
+        """The request's headers as they go upstream."""
+        keep = _FOR_NODE if self.node else frozenset()
+        headers: Headers = [(k, v) for k, v in scope["headers"]
+                            if k not in _HOP_BY_HOP and (k not in _STRIP or k in keep)]
+        if self.node:
+            headers += [(b"e2b-sandbox-id", self.sandbox_id.encode()),
+                        (b"e2b-sandbox-port", str(port).encode())]
+        return headers
 
     def upstream_host(self, port: int) -> str | None:
         if port == ENVD_PORT or not self.mask_host:
@@ -164,7 +190,7 @@ class ProxyRouter:
     def __init__(self, routes: RouteTable, *, connect_timeout: float = 5.0) -> None:
         self.routes = routes
         self.connect_timeout = connect_timeout
-        self._clients: dict[str, tuple[str, httpx.AsyncClient]] = {}
+        self._clients: dict[str, tuple[str, httpx.AsyncClient]] = {}  # by Route.pool
         self._closing: set[asyncio.Task[None]] = set()
         self._websockets: dict[str, set[websockets.ClientConnection]] = {}
 
@@ -186,7 +212,7 @@ class ProxyRouter:
             ws.transport.abort()
 
     def _client(self, route: Route) -> httpx.AsyncClient:
-        entry = self._clients.get(route.sandbox_id)
+        entry = self._clients.get(route.pool)
         if entry and entry[0] == route.generation:
             return entry[1]
         if entry:
@@ -199,7 +225,7 @@ class ProxyRouter:
                                 keepalive_expiry=60),
             follow_redirects=False,
         )
-        self._clients[route.sandbox_id] = (route.generation, client)
+        self._clients[route.pool] = (route.generation, client)
         return client
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, sandbox_id: str,
@@ -239,12 +265,14 @@ class ProxyRouter:
                     port: int, path: bytes) -> None:
         # ``path`` has no dot segments, so httpx does not normalise it; it only escapes
         # some bytes outside RFC 3986's path characters (none on envd's port, see above).
-        url = httpx.URL(scheme="http", host=route.host_ip, port=port, path=path.decode("ascii"),
+        ip, upstream_port = route.address(port)
+        url = httpx.URL(scheme="http", host=ip, port=upstream_port, path=path.decode("ascii"),
                         query=scope.get("query_string") or None)
-        headers = [(k, v) for k, v in scope["headers"]
-                   if k not in _HOP_BY_HOP and k not in _STRIP]
+        headers = route.upstream_headers(scope, port)
         host = _header(scope, b"host")
-        if host:
+        if host and route.node:
+            headers.append((b"Host", host.encode()))  # the node adds x-forwarded-host
+        elif host:
             headers.append((b"x-forwarded-host", host.encode()))
         masked = route.upstream_host(port)
         if masked:
@@ -262,7 +290,7 @@ class ProxyRouter:
             if client.is_closed:  # forget() ran meanwhile: the sandbox stopped or moved
                 log.info("sandbox %s: stopped before it answered %s", route.sandbox_id,
                          scope["path"])
-            elif isinstance(e, httpx.ConnectError):
+            elif isinstance(e, httpx.ConnectError) and route.node is None:
                 return await _answer(send, *port_closed(route.sandbox_id, port))
             else:
                 log.info("sandbox %s: upstream failed before a response: %s",
@@ -304,16 +332,17 @@ class ProxyRouter:
         query = scope.get("query_string", b"").decode("latin-1")
         # The connection goes to the guest (``sock``); the URI's authority is only what the
         # Host header says: the mask when the sandbox has one.
-        authority = route.upstream_host(port) or f"{route.host_ip}:{port}"
+        ip, upstream_port = route.address(port)
+        host = _header(scope, b"host") if route.node else None
+        authority = host or route.upstream_host(port) or f"{ip}:{upstream_port}"
         uri = f"ws://{authority}{path.decode('ascii')}" + (f"?{query}" if query else "")
-        headers = [(k.decode(), v.decode()) for k, v in scope["headers"]
-                   if k not in _HOP_BY_HOP and k not in _STRIP
-                   and not k.startswith(b"sec-websocket")]
+        headers = [(k.decode(), v.decode()) for k, v in route.upstream_headers(scope, port)
+                   if not k.startswith(b"sec-websocket")]
         subprotocols = scope.get("subprotocols") or None
         try:
             # A socket of our own: marked as the server's (the host firewall asks for the
             # mark), and no proxy from the environment can capture it.
-            sock = await connect_socket(route.host_ip, port, timeout=self.connect_timeout)
+            sock = await connect_socket(ip, upstream_port, timeout=self.connect_timeout)
             upstream = await websockets.connect(
                 uri, sock=sock, additional_headers=headers, subprotocols=subprotocols,
                 open_timeout=self.connect_timeout, max_size=None)

@@ -1,0 +1,313 @@
+"""``aenv gateway``: one URL for many nodes. Stateless; every answer comes from Redis and
+the nodes, so any number of gateways can serve side by side.
+
+One listener, as a node has (``aenv.proxy.front.Front`` decides per request):
+
+- sandbox traffic (``E2b-Sandbox-Id``/``-Port`` headers, or Host ``<port>-<id>.<domain>``)
+  is streamed by ``aenv.proxy.ProxyRouter`` (HTTP and WebSocket, the node's own code) to
+  the node that holds the sandbox, per the Redis index; the node routes it on to the VM.
+  Sandboxes unknown to the index, or on a node past its heartbeat TTL, answer E2B's 502
+  "The sandbox was not found". Signed ``/files`` URLs and token-only envd calls need the
+  sandbox's token, which a gateway does not have: they are not routed (yet).
+- REST, after the client's ``X-API-KEY`` is checked against the gateway's key:
+  ``POST /sandboxes`` (and ``/v2/sandboxes``) goes to the best node
+  (``scheduling.candidates``), then to the next one when a node answers 429 or 5xx or
+  does not answer (a create that timed out may still finish on the slow node).
+  ``GET /sandboxes`` and ``GET /v2/sandboxes`` ask every live node and merge the answers,
+  ordered as a node orders them (by ``startedAt``, then id; ``order`` as given).
+  Pagination in this slice: ``limit`` applies to the merged list and no ``x-next-token``
+  is returned, so a listing larger than ``limit`` is cut (the answer carries
+  ``x-aenv-truncated: 1``). Nodes that do not answer are left out and named in
+  ``x-aenv-unreachable-nodes``. ``/sandboxes/{id}/...`` (and
+  ``/v2/sandboxes/{id}/connect``) goes to the sandbox's node. ``GET /nodes`` and
+  ``GET /nodes/{id}`` report the registry. Anything else (templates, snapshots) answers
+  501 for now.
+
+Calls to nodes carry ``X-Aenv-Cluster-Secret`` (``trust``) in place of the client's key.
+Advertised node URLs must be ``http://`` in this slice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit
+
+import httpx
+from redis.exceptions import RedisError
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ..api.auth import ApiKeyMiddleware
+from ..client.http import plain_client
+from ..envd.signing import Operation
+from ..proxy import ProxyRouter, Route, RouteTable
+from ..proxy.front import Front
+from .registry import NodeStatus, Registry
+from .scheduling import candidates
+from .trust import SECRET_HEADER
+
+log = logging.getLogger("aenv.gateway")
+
+MAX_BODY_BYTES = 1024 * 1024
+CONNECT_TIMEOUT_S = 2.0
+CREATE_TIMEOUT_S = 120.0     # a create on a busy TCG node can take long; then the next node
+CALL_TIMEOUT_S = 300.0       # pause/fork/connect may take a while under TCG
+LIST_TIMEOUT_S = 10.0
+_SANDBOX = re.compile(r"^(?:/v2)?/sandboxes/([^/]+)(?:/.*)?$")
+_CREATES = ("/sandboxes", "/v2/sandboxes")
+_NODE = re.compile(r"^/nodes/([^/]+)/?$")
+_LISTS = ("/sandboxes", "/v2/sandboxes")
+_HOP = {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
+        b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length",
+        b"x-api-key", SECRET_HEADER}
+_OUT_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"trailer", b"upgrade",
+            b"content-length"}
+
+Headers = list[tuple[bytes, bytes]]
+
+
+class Reply:
+    """A whole response: status, headers, body."""
+
+    def __init__(self, status: int, headers: Headers, body: bytes) -> None:
+        self.status, self.headers, self.body = status, headers, body
+
+    @classmethod
+    def json(cls, status: int, value: Any, extra: Headers | None = None) -> Reply:
+        body = json.dumps(value).encode()
+        return cls(status, [(b"content-type", b"application/json"), *(extra or [])], body)
+
+    @classmethod
+    def error(cls, status: int, message: str) -> Reply:
+        return cls.json(status, {"code": status, "message": message})
+
+    async def __call__(self, send: Send) -> None:
+        headers = [*self.headers, (b"content-length", str(len(self.body)).encode())]
+        await send({"type": "http.response.start", "status": self.status, "headers": headers})
+        await send({"type": "http.response.body", "body": self.body})
+
+
+def node_view(n: NodeStatus) -> dict[str, Any]:
+    """One node as ``GET /nodes`` shows it."""
+    r = n.record
+    return {"nodeID": r.node_id, "url": r.url, "status": n.status, "version": r.version,
+            "sandboxes": {"running": r.running, "paused": r.paused},
+            "capacity": {"maxSandboxes": r.max_sandboxes}, "publishedAt": r.published_at}
+
+
+def _address(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    return parts.hostname or "127.0.0.1", parts.port or (443 if parts.scheme == "https" else 80)
+
+
+class Gateway:
+    def __init__(self, registry: Registry, *, api_key: str, cluster_secret: str) -> None:
+        self.registry = registry
+        self.secret = cluster_secret.encode()
+        self.http = plain_client(timeout=httpx.Timeout(CALL_TIMEOUT_S, connect=CONNECT_TIMEOUT_S),
+                                 limits=httpx.Limits(max_connections=512,
+                                                     max_keepalive_connections=64),
+                                 follow_redirects=False)
+        self.in_flight: Counter[str] = Counter()   # creates this gateway has sent, per node
+        self.proxy = ProxyRouter(RouteTable(self._route))
+        rest = ApiKeyMiddleware(self._rest, api_key)
+        self.app: ASGIApp = _Lifespan(Front(rest, self.proxy, _no_signed, _no_token),
+                                      self.close)
+
+    async def close(self) -> None:
+        await self.proxy.close()
+        await self.http.aclose()
+        await self.registry.close()
+
+    # -- data plane
+
+    async def _route(self, sandbox_id: str) -> Route | None:
+        try:
+            owner = await self.registry.locate(sandbox_id)
+            node = await self.registry.node(owner) if owner else None
+        except (RedisError, OSError) as e:
+            log.warning("registry unreachable routing sandbox %s: %s", sandbox_id, e)
+            return None
+        if node is None or not node.alive:
+            return None
+        host, port = _address(node.record.url)
+        return Route(sandbox_id=sandbox_id, host_ip=host, envd_token=None, traffic_token=None,
+                     generation=f"{node.record.node_id}@{node.record.url}", node=(host, port))
+
+    # -- REST
+
+    async def _rest(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        try:
+            reply = await self._answer(scope, receive)
+        except (RedisError, OSError) as e:
+            log.warning("registry unreachable: %s", e)
+            reply = Reply.error(503, "the cluster's registry (Redis) is unreachable")
+        await reply(send)
+
+    async def _answer(self, scope: Scope, receive: Receive) -> Reply:
+        method, path = scope["method"], scope["path"]
+        if path == "/health":
+            return Reply(204, [], b"")
+        if path == "/nodes" and method == "GET":
+            return Reply.json(200, [node_view(n) for n in await self.registry.nodes()])
+        if (m := _NODE.match(path)) and method == "GET":
+            node = await self.registry.node(m.group(1))
+            if node is None:
+                return Reply.error(404, f"node '{m.group(1)}' not found")
+            return Reply.json(200, node_view(node))
+        body = await _body(receive)
+        if body is None:
+            return Reply.error(413, "request body too large")
+        if path in _CREATES and method == "POST":
+            return await self._create(scope, body)
+        if path in _LISTS and method == "GET":
+            return await self._list(scope)
+        if m := _SANDBOX.match(path):
+            return await self._to_owner(scope, body, m.group(1))
+        return Reply.error(501, f"{method} {path} is not served through the gateway yet")
+
+    def _request(self, node: NodeStatus, scope: Scope, body: bytes,
+                 query: bytes | None = None) -> httpx.Request:
+        headers = [(k, v) for k, v in scope["headers"] if k not in _HOP]
+        headers.append((SECRET_HEADER, self.secret))
+        qs = scope.get("query_string", b"") if query is None else query
+        url = httpx.URL(node.record.url + scope["path"], query=qs or None)
+        return self.http.build_request(scope["method"], url, headers=headers,
+                                       content=body or None)
+
+    async def _call(self, request: httpx.Request, timeout: float) -> Reply:
+        request.extensions["timeout"] = httpx.Timeout(timeout, connect=CONNECT_TIMEOUT_S).as_dict()
+        response = await self.http.send(request, stream=True)
+        try:
+            body = b"".join([chunk async for chunk in response.aiter_raw()])
+        finally:
+            await response.aclose()
+        headers = [(k, v) for k, v in response.headers.raw if k.lower() not in _OUT_HOP]
+        return Reply(response.status_code, headers, body)
+
+    async def _create(self, scope: Scope, body: bytes) -> Reply:
+        order = candidates(await self.registry.nodes(), self.in_flight)
+        if not order:
+            return Reply.error(503, "no node of the cluster is ready with room for a sandbox")
+        last: Reply | None = None
+        for node in order:
+            nid = node.record.node_id
+            self.in_flight[nid] += 1
+            try:
+                reply = await self._call(self._request(node, scope, body), CREATE_TIMEOUT_S)
+            except httpx.HTTPError as e:
+                log.warning("create on node %s failed (%s: %s); trying the next", nid,
+                            type(e).__name__, e)
+                continue
+            finally:
+                self.in_flight[nid] -= 1
+                if self.in_flight[nid] <= 0:
+                    del self.in_flight[nid]
+            if reply.status == 429 or reply.status >= 500:
+                log.info("create refused by node %s (%d); trying the next", nid, reply.status)
+                last = reply
+                continue
+            return reply
+        return last or Reply.error(503, "no node of the cluster answered the create")
+
+    async def _list(self, scope: Scope) -> Reply:
+        params = parse_qsl(scope.get("query_string", b"").decode("latin-1"),
+                           keep_blank_values=True)
+        limit = next((v for k, v in params if k == "limit"), None)
+        order = next((v for k, v in params if k == "order"), "desc")
+        query = urlencode([(k, v) for k, v in params if k != "nextToken"]).encode()
+        nodes = [n for n in await self.registry.nodes() if n.alive]
+
+        async def one(node: NodeStatus) -> Reply | Exception:
+            try:
+                return await self._call(self._request(node, scope, b"", query), LIST_TIMEOUT_S)
+            except httpx.HTTPError as e:
+                return e
+
+        answers = await asyncio.gather(*(one(n) for n in nodes))
+        merged: list[dict[str, Any]] = []
+        failed: list[str] = []
+        for node, answer in zip(nodes, answers, strict=True):
+            if isinstance(answer, Exception) or answer.status >= 500:
+                failed.append(node.record.node_id)
+                continue
+            if answer.status != 200:
+                return answer  # a bad query: every node says the same
+            merged.extend(json.loads(answer.body))
+        merged.sort(key=lambda s: (s.get("startedAt") or "", s.get("sandboxID") or ""),
+                    reverse=order != "asc")
+        extra: Headers = []
+        if limit and limit.isdigit() and len(merged) > int(limit):
+            merged = merged[:int(limit)]
+            extra.append((b"x-aenv-truncated", b"1"))
+        if failed:
+            extra.append((b"x-aenv-unreachable-nodes", ",".join(failed).encode()))
+        return Reply.json(200, merged, extra)
+
+    async def _to_owner(self, scope: Scope, body: bytes, sandbox_id: str) -> Reply:
+        owner = await self.registry.locate(sandbox_id)
+        node = await self.registry.node(owner) if owner else None
+        if node is None:
+            return Reply.error(404, f"sandbox '{sandbox_id}' not found")
+        if not node.alive:
+            return Reply.error(503, f"the node of sandbox '{sandbox_id}' ({node.record.node_id})"
+                               " is unreachable")
+        try:
+            return await self._call(self._request(node, scope, body), CALL_TIMEOUT_S)
+        except httpx.HTTPError as e:
+            log.warning("node %s did not answer %s %s: %s", node.record.node_id,
+                        scope["method"], scope["path"], e)
+            return Reply.error(502, f"the node of sandbox '{sandbox_id}' did not answer")
+
+
+async def _body(receive: Receive) -> bytes | None:
+    """The request's whole body, or None past ``MAX_BODY_BYTES``."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            break
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            return None
+        chunks.append(chunk)
+        if not msg.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+async def _no_signed(path: str, op: Operation, user: str | None, signature: str,
+                     expiration: str | None) -> str | None:
+    return None  # signed URLs need the sandbox's token, which only its node has
+
+
+async def _no_token(token: str) -> str | None:
+    return None
+
+
+class _Lifespan:
+    """Answers ASGI lifespan events (closing the gateway at shutdown), passes the rest."""
+
+    def __init__(self, app: ASGIApp, close: Callable[[], Awaitable[None]]) -> None:
+        self.app, self.close = app, close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "lifespan":
+            return await self.app(scope, receive, send)
+        while True:
+            msg = await receive()
+            if msg["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif msg["type"] == "lifespan.shutdown":
+                await self.close()
+                await send({"type": "lifespan.shutdown.complete"})
+                return

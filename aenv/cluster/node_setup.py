@@ -1,0 +1,59 @@
+"""A node's ``NodeAgent`` from its settings and store: who it says it is, what it publishes.
+
+The node's id is ``AENV_NODE_ID`` (default: the host name), its URL ``AENV_ADVERTISE_URL``
+(default: its listener's, which must then not be a wildcard address). It publishes every
+live sandbox of its store (``LIVE_STATES``: running, paused, fork children, those
+starting or stopping), counted as running while it holds a VM (``VM_STATES``).
+"""
+
+from __future__ import annotations
+
+import socket
+
+from .. import __version__
+from ..config import Settings
+from ..store import VM_STATES, SandboxStore
+from .node_agent import NodeAgent
+from .registry import IndexEntry, NodeRecord, Registry
+
+
+class NodeSetupError(ValueError):
+    """The settings do not make a node that a gateway can reach; the message says why."""
+
+
+def node_id(settings: Settings) -> str:
+    return settings.node_id or socket.gethostname().split(".")[0]
+
+
+def advertise_url(settings: Settings) -> str:
+    if settings.advertise_url:
+        return settings.advertise_url.rstrip("/")
+    host = settings.listen_host
+    if host in ("0.0.0.0", "::", ""):
+        raise NodeSetupError(f"the listener is on the wildcard address {host!r}: say where "
+                             "gateways reach this node with --advertise / AENV_ADVERTISE_URL")
+    scheme = "https" if settings.tls_cert or settings.tls_self_signed else "http"
+    where = f"[{host}]" if ":" in host else host
+    return f"{scheme}://{where}:{settings.listen_port}"
+
+
+def check(settings: Settings) -> None:
+    """Raise ``NodeSetupError`` when cluster mode lacks what it needs."""
+    if not settings.cluster:
+        return
+    if not settings.cluster_secret:
+        raise NodeSetupError("--cluster needs AENV_CLUSTER_SECRET (the secret gateways "
+                             "send; the same on every node and gateway)")
+    advertise_url(settings)
+
+
+def node_agent(settings: Settings, sandboxes: SandboxStore) -> NodeAgent:
+    assert settings.cluster, "not in a cluster"
+    check(settings)
+    record = NodeRecord(node_id=node_id(settings), url=advertise_url(settings),
+                        version=__version__, max_sandboxes=settings.max_sandboxes)
+
+    def index() -> list[IndexEntry]:
+        return [IndexEntry(r.id, r.state in VM_STATES) for r in sandboxes.live()]
+
+    return NodeAgent(Registry.from_url(settings.cluster), record, index)

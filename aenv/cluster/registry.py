@@ -1,0 +1,192 @@
+"""The cluster's shared state in Redis: node records, liveness, the sandbox -> node index.
+
+Key layout (all under ``prefix``, ``aenv:`` by default; the URL's DB number separates
+clusters sharing one Redis):
+
+- ``nodes`` (hash): node id -> ``NodeRecord`` as JSON: URL, version, counts, capacity,
+  the time of its last publish. Kept when the node dies, so ``GET /nodes`` can show it as
+  unhealthy.
+- ``alive:<id>`` (string with a TTL of a few seconds): present while the node heartbeats.
+  Only nodes with it are scheduled or routed to.
+- ``sandboxes`` (hash): sandbox id -> node id, for every live sandbox (running, paused,
+  fork children) of every node.
+- ``node:<id>:sandboxes`` (set): the ids that node last published, so a republish can
+  remove the ones it no longer has.
+
+Redis holds nothing a node cannot say again: ``publish`` replaces a node's whole share of
+the index in one transaction (MULTI/EXEC) from what the node's store holds, and
+``heartbeat`` tells the node when its liveness key had vanished (Redis restarted empty, or
+the node was silent past its TTL) so it publishes again. A sandbox id belongs to one node,
+so removing a node's old ids never touches another node's.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+
+DEFAULT_PREFIX = "aenv:"
+# A node heartbeats every TTL/3; a node silent for TTL is out of scheduling and routing.
+DEFAULT_TTL_S = 3.0
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """What a node says about itself (``GET /nodes`` shows it)."""
+
+    node_id: str
+    url: str
+    version: str
+    running: int = 0          # sandboxes holding a VM (running, creating, resuming, ...)
+    paused: int = 0
+    max_sandboxes: int = 0    # 0: no limit
+    draining: bool = False
+    published_at: float = 0.0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> NodeRecord:
+        data: dict[str, Any] = json.loads(raw)
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    """A node record as the gateway sees it: alive (heartbeat within its TTL) or not."""
+
+    record: NodeRecord
+    alive: bool
+
+    @property
+    def status(self) -> str:
+        if not self.alive:
+            return "unhealthy"
+        return "draining" if self.record.draining else "ready"
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    """One sandbox a node publishes, with whether it holds a VM."""
+
+    sandbox_id: str
+    running: bool = True
+
+
+@dataclass
+class Registry:
+    """Operations on the cluster's keys over one redis-py asyncio client."""
+
+    client: aioredis.Redis
+    prefix: str = DEFAULT_PREFIX
+    ttl_s: float = DEFAULT_TTL_S
+    _closed: bool = field(default=False, init=False)
+
+    @classmethod
+    def from_url(cls, url: str, *, prefix: str = DEFAULT_PREFIX, ttl_s: float = DEFAULT_TTL_S,
+                 timeout_s: float = 2.0) -> Registry:
+        """A registry on ``url`` (``redis://HOST:PORT/DB``); connects on first use, and
+        again after Redis comes back."""
+        client = aioredis.Redis.from_url(
+            url, decode_responses=True, socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s, health_check_interval=10)
+        return cls(client, prefix=prefix, ttl_s=ttl_s)
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            await self.client.aclose()
+
+    # -- keys
+    def _k(self, *parts: str) -> str:
+        return self.prefix + ":".join(parts)
+
+    # -- the node's side
+
+    async def heartbeat(self, node_id: str) -> bool:
+        """Refresh the node's liveness; False when the key had vanished (first beat, Redis
+        restarted empty, or the node was silent past its TTL): publish again."""
+        old = await self.client.set(self._k("alive", node_id), str(time.time()),
+                                    px=int(self.ttl_s * 1000), get=True)
+        return old is not None
+
+    async def publish(self, record: NodeRecord, entries: Iterable[IndexEntry]) -> None:
+        """Replace the node's record and its share of the index with ``entries``, and mark
+        it alive, in one transaction."""
+        ids = {e.sandbox_id for e in entries}
+        own = self._k("node", record.node_id, "sandboxes")
+        old = _strs(await self.client.smembers(own))
+        gone = old - ids
+        async with self.client.pipeline(transaction=True) as p:
+            if gone:
+                p.hdel(self._k("sandboxes"), *gone)
+            if ids:
+                p.hset(self._k("sandboxes"), mapping={i: record.node_id for i in ids})
+            p.delete(own)
+            if ids:
+                p.sadd(own, *ids)
+            p.hset(self._k("nodes"), record.node_id, record.to_json())
+            p.set(self._k("alive", record.node_id), str(time.time()), px=int(self.ttl_s * 1000))
+            await p.execute()
+
+    async def leave(self, node_id: str) -> None:
+        """The node stops: out of scheduling at once (its record and index stay: its paused
+        sandboxes are still its own)."""
+        await self.client.delete(self._k("alive", node_id))
+
+    # -- the gateway's side
+
+    async def nodes(self) -> list[NodeStatus]:
+        """Every node ever registered (until ``forget``), alive or not, by id."""
+        raw = {_str(k): _str(v) for k, v in
+               (await self.client.hgetall(self._k("nodes"))).items()}
+        if not raw:
+            return []
+        ids = sorted(raw)
+        alive = await self.client.mget([self._k("alive", i) for i in ids])
+        return [NodeStatus(NodeRecord.from_json(raw[i]), a is not None)
+                for i, a in zip(ids, alive, strict=True)]
+
+    async def node(self, node_id: str) -> NodeStatus | None:
+        async with self.client.pipeline(transaction=False) as p:
+            p.hget(self._k("nodes"), node_id)
+            p.exists(self._k("alive", node_id))
+            raw, alive = await p.execute()
+        if raw is None:
+            return None
+        return NodeStatus(NodeRecord.from_json(raw), bool(alive))
+
+    async def locate(self, sandbox_id: str) -> str | None:
+        """The id of the node holding ``sandbox_id``, if any node published it."""
+        node = await self.client.hget(self._k("sandboxes"), sandbox_id)
+        return None if node is None else _str(node)
+
+    async def node_sandboxes(self, node_id: str) -> set[str]:
+        return _strs(await self.client.smembers(
+            self._k("node", node_id, "sandboxes")))
+
+    async def forget(self, node_id: str) -> None:
+        """Remove a node and its share of the index (an operator's clean-up)."""
+        ids = await self.node_sandboxes(node_id)
+        async with self.client.pipeline(transaction=True) as p:
+            if ids:
+                p.hdel(self._k("sandboxes"), *ids)
+            p.delete(self._k("node", node_id, "sandboxes"), self._k("alive", node_id))
+            p.hdel(self._k("nodes"), node_id)
+            await p.execute()
+
+
+def _str(v: bytes | str) -> str:
+    """A reply as text (the client decodes replies; typeshed cannot know it)."""
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def _strs(values: Iterable[bytes | str]) -> set[str]:
+    return {_str(v) for v in values}
