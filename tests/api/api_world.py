@@ -16,7 +16,7 @@ from aenv.orchestrator.builds import Builder
 from aenv.orchestrator.metrics import MetricsCollector
 from aenv.orchestrator.service import Limits, Orchestrator
 from aenv.store import Database, SandboxStore, TemplateRecord, TemplateStore
-from tests.unit.test_orchestrator import FakeMachines
+from tests.orchestrator.test_orchestrator import FakeMachines
 
 KEY = "e2b_" + "1" * 40
 AUTH = {"X-API-KEY": KEY}

@@ -28,8 +28,8 @@ from aenv.runtime.base import SnapshotError as VMSnapshotError
 from aenv.storage.errors import CommandFailed, ImageError
 from aenv.storage.snapshot_store import SnapshotMissing
 from aenv.storage.snapshots import SnapshotError as DiskSnapshotError
+from tests.api.api_world import AUTH, make_world
 from tests.conftest import free_port
-from tests.unit.api_world import AUTH, make_world
 
 SECRET = "/var/lib/aenv/secret-home"  # in every exception's text; must never reach a client
 

@@ -6,7 +6,7 @@ hypothesis with ``derandomize`` (the same requests on every run, so CI is reprod
 four passes: ids the generator makes up, ids of live objects (a running, a paused and a
 killed sandbox, a snapshot, a template with a waiting build, aliases), a few without the
 API key, and live ids on a failing host. The app is ``create_api`` over ``FakeMachines``
-(``tests/unit/api_world.py``), called in-process through schemathesis's ASGI client: no
+(``tests/api/api_world.py``), called in-process through schemathesis's ASGI client: no
 VM, no socket.
 
 The property: no answer is a 5xx, and every answer that is not a 2xx is E2B's error body,
@@ -51,8 +51,8 @@ from aenv.orchestrator.service import Limits
 from aenv.runtime.base import BootError, SnapshotError
 from aenv.storage.errors import CommandFailed
 from aenv.storage.snapshot_store import SnapshotMissing
-from tests.unit.api_world import AUTH, World, make_world
-from tests.unit.test_orchestrator import FakeMachines
+from tests.api.api_world import AUTH, World, make_world
+from tests.orchestrator.test_orchestrator import FakeMachines
 
 RANDOM_IDS = 20  # examples per operation and generation mode, made-up ids
 LIVE_IDS = 20  # examples per operation and generation mode, ids of live objects

@@ -89,7 +89,7 @@ async def test_started_after_its_own_start_time_includes_the_sandbox() -> None:
     from aenv.api.views import rfc3339
     from aenv.orchestrator.service import CreateOptions, Orchestrator
     from aenv.store import TemplateRecord, TemplateStore
-    from tests.unit.test_orchestrator import FakeMachines
+    from tests.orchestrator.test_orchestrator import FakeMachines
 
     db = Database(":memory:")
     sandboxes, templates = SandboxStore(db), TemplateStore(db)

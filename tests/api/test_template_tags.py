@@ -21,7 +21,7 @@ from aenv.client.envd import CommandResult
 from aenv.orchestrator import builds
 from aenv.store import Database, TemplateRecord, TemplateStore
 from aenv.store.db import _MIGRATIONS
-from tests.unit.api_world import AUTH, World, make_world
+from tests.api.api_world import AUTH, World, make_world
 
 
 class FakeEnvd:

@@ -12,7 +12,7 @@ from aenv.orchestrator.admission import Budget
 from aenv.orchestrator.errors import InsufficientStorage, InvalidRequest, LimitReached
 from aenv.orchestrator.service import CreateOptions, Limits, Orchestrator
 from aenv.store import Database, SandboxStore, TemplateRecord, TemplateStore
-from tests.unit.test_orchestrator import FakeMachines
+from tests.orchestrator.test_orchestrator import FakeMachines
 
 
 @pytest.fixture

@@ -21,8 +21,8 @@ from aenv.orchestrator.from_image import (
 from aenv.orchestrator.machine import Placement
 from aenv.storage.registry_errors import AuthFailed
 from aenv.store import Database, TemplateRecord, TemplateStore
-from tests.unit.test_builds import ready_base
-from tests.unit.test_orchestrator import FakeMachines
+from tests.orchestrator.test_builds import ready_base
+from tests.orchestrator.test_orchestrator import FakeMachines
 
 IMAGE = "image:" + "ab" * 32
 SECRET = "hunter2-not-in-the-store"

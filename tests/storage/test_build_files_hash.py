@@ -1,4 +1,4 @@
-"""``filesHash`` recomputed from an uploaded COPY archive (``aenv.api.build_files``).
+"""``filesHash`` recomputed from an uploaded COPY archive (``aenv.storage.build_archives``).
 
 Archives and hashes come from the E2B SDK's own ``tar_file_stream`` and
 ``calculate_files_hash`` (and aenv's CLI, which follows them), over contexts with files,
