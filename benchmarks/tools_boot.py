@@ -22,45 +22,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from aenv.client.envd import ENVD_PORT
 from aenv.config import Settings
-from aenv.guest.bootargs import guest_boot_args
 from aenv.network import SlotPool
-from aenv.runtime import Drive, VMSpec, get_runtime
-from aenv.runtime import workdir as wd
 from aenv.runtime.kvm import host_accel
-from aenv.runtime.ready import BootPhases, boot_until_ready
-from aenv.storage.disks import create_disk
 from aenv.storage.images import Image, build_image, ensure_base_image, find_image
-from aenv.storage.kernel import Kernel, ensure_kernel
+from aenv.storage.kernel import ensure_kernel
 from aenv.storage.tools_drive import ensure_tools_drive
 from benchmarks._common import emit
+from benchmarks.vm_boot import boot_once
 
 PHASES = ("vmm_to_qmp", "kernel_to_init", "init_to_envd_exec", "envd_exec_to_health", "total")
-
-
-async def boot_once(settings: Settings, pool: SlotPool, kernel: Kernel, image: Image,
-                    tools: Path | None, name: str, memory_mib: int) -> BootPhases:
-    slot = await asyncio.to_thread(pool.acquire)
-    workdir = settings.vms_dir / name
-    try:
-        disk = create_disk(image.path, workdir)
-        drives = [Drive("rootfs", disk.path, format=disk.format)]
-        if tools is not None:
-            drives.append(Drive("tools", tools, read_only=True))
-        spec = VMSpec(
-            vm_id=name, workdir=workdir, kernel=kernel.vmlinux, initrd=kernel.initrd,
-            boot_args=guest_boot_args(kernel, tools=tools is not None), memory_mib=memory_mib,
-            drives=tuple(drives), tap=slot.tap_name, netns=slot.netns, mac=slot.guest_mac,
-            memory_file=wd.default_memory_file(name, workdir, settings.name_prefix),
-        )
-        vm, phases = await boot_until_ready(get_runtime("qemu"), spec,
-                                            f"http://{slot.host_ip}:{ENVD_PORT}")
-        await vm.stop()
-        return phases
-    finally:
-        wd.remove(workdir)
-        await asyncio.to_thread(pool.release, slot)
 
 
 def tools_image(settings: Settings, name: str | None) -> Image:
@@ -99,8 +70,8 @@ async def main() -> None:
     try:
         for i in range(args.runs):
             for key, (image, tools_path) in images.items():
-                phases = await boot_once(settings, pool, kernel, image, tools_path,
-                                         f"bench-{key}-{i}", args.memory_mib)
+                phases = await boot_once(settings, pool, kernel, image, f"bench-{key}-{i}",
+                                         args.memory_mib, tools=tools_path)
                 samples[key].append({p: round(getattr(phases, p), 3) for p in PHASES})
                 print(f"{key} run {i + 1}/{args.runs}: {samples[key][-1]['total']:.2f} s",
                       file=sys.stderr)

@@ -119,7 +119,11 @@ def floor_disk(image: Path, workdir: Path) -> Path:
 
 
 async def boot_once(settings: Settings, pool: SlotPool, kernel, image, name: str,
-                    memory_mib: int, server: str = "envd") -> BootPhases:
+                    memory_mib: int, server: str = "envd",
+                    tools: Path | None = None) -> BootPhases:
+    """One cold boot of ``image`` in a slot of ``pool`` until envd (or the floor's server)
+    answers; ``tools``: the tools drive to attach as the second drive. The VM, its disk and
+    the slot are gone when this returns or raises."""
     slot = await asyncio.to_thread(pool.acquire)
     workdir = settings.vms_dir / name
     try:
@@ -129,10 +133,11 @@ async def boot_once(settings: Settings, pool: SlotPool, kernel, image, name: str
         else:
             disk = create_disk(image.path, workdir)
             drive, extra = Drive("rootfs", disk.path, format=disk.format), []
+        drives = (drive,) if tools is None else (drive, Drive("tools", tools, read_only=True))
         spec = VMSpec(
             vm_id=name, workdir=workdir, kernel=kernel.vmlinux, initrd=kernel.initrd,
-            boot_args=guest_boot_args(kernel, extra=extra), memory_mib=memory_mib,
-            drives=(drive,),
+            boot_args=guest_boot_args(kernel, extra=extra, tools=tools is not None),
+            memory_mib=memory_mib, drives=drives,
             tap=slot.tap_name, netns=slot.netns, mac=slot.guest_mac,
             memory_file=wd.default_memory_file(name, workdir, settings.name_prefix),
         )
