@@ -1,0 +1,204 @@
+"""Two real ``aenv server`` nodes and one ``aenv gateway`` over a real redis-server, driven
+by the unmodified E2B Python SDK pointed at the gateway (E2B_API_URL = E2B_SANDBOX_URL).
+
+One pair of nodes for the whole module (each its own home, prefix and address ranges,
+sharing the kernel and image cache), started side by side. At the end every sandbox is
+killed through each node's API, the nodes and the gateway are stopped, Redis is killed,
+and the module fails if a namespace, nft table or VMM process of either prefix is left
+(``tests.server.conftest.serving``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+from e2b import Sandbox
+
+from aenv.cluster.registry import DEFAULT_TTL_S
+from tests.cluster.redis_server import RedisServer, running_redis
+from tests.conftest import ROOT, free_port
+from tests.server.conftest import ServerProcess, serving
+
+pytestmark = [pytest.mark.vm, pytest.mark.net]
+
+SECRET = "cluster-secret-" + "c" * 32
+GATEWAY_KEY = "e2b_" + "9" * 40
+
+
+@dataclass
+class Cluster:
+    redis: RedisServer
+    nodes: dict[str, ServerProcess]
+    gateway_url: str
+
+    def api(self) -> httpx.Client:
+        return httpx.Client(base_url=self.gateway_url, headers={"X-API-KEY": GATEWAY_KEY},
+                            timeout=120)
+
+    def node_of(self, sandbox_id: str) -> str | None:
+        """The node the index names for ``sandbox_id``."""
+        with redis.Redis.from_url(self.redis.url(2), decode_responses=True) as r:
+            node: str | None = r.hget("aenv:sandboxes", sandbox_id)  # type: ignore[assignment]
+            return node
+
+    def statuses(self) -> dict[str, str]:
+        with self.api() as c:
+            return {n["nodeID"]: n["status"] for n in c.get("/nodes").json()}
+
+
+@contextlib.contextmanager
+def gateway(redis: RedisServer, home: Path) -> Iterator[str]:
+    port = free_port()
+    home.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "AENV_HOME": str(home), "AENV_API_KEY": GATEWAY_KEY,
+           "AENV_CLUSTER_SECRET": SECRET}
+    with open(home / "gateway.log", "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "aenv.cli.main", "gateway", "--port", str(port),
+             "--cluster", redis.url(2)], cwd=ROOT, env=env, stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, (home / "gateway.log").read_text()[-2000:]
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=1).status_code == 204:
+                    break
+            assert time.monotonic() < deadline, "gateway did not start"
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    root = tmp_path_factory.mktemp("cluster")
+    with contextlib.ExitStack() as stack:
+        redis = stack.enter_context(running_redis(root / "redis"))
+        nodes: dict[str, ServerProcess] = {}
+        for node_id, prefix, net in (("c1", "aenvc1", 71), ("c2", "aenvc2", 73)):
+            srv = ServerProcess(root / node_id, prefix=prefix, net=net)
+            srv.env.update({"AENV_CLUSTER": redis.url(2), "AENV_NODE_ID": node_id,
+                            "AENV_ADVERTISE_URL": srv.url, "AENV_CLUSTER_SECRET": SECRET})
+            nodes[node_id] = srv
+            stack.callback(srv.stop)  # even when the other one's start fails first
+        # Side by side: each start snapshots base (15-30 s under TCG).
+        pool = stack.enter_context(ThreadPoolExecutor(2))
+        started = {i: pool.submit(srv.start) for i, srv in nodes.items()}
+        for i, srv in nodes.items():
+            srv.start = started[i].result  # type: ignore[method-assign]  # serving() waits
+            stack.enter_context(serving(srv))
+            del srv.start  # a restart starts the process again
+        url = stack.enter_context(gateway(redis, root / "gateway"))
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("E2B_API_KEY", GATEWAY_KEY)
+            mp.setenv("E2B_API_URL", url)
+            mp.setenv("E2B_SANDBOX_URL", url)
+            mp.delenv("E2B_DOMAIN", raising=False)
+            yield Cluster(redis, nodes, url)
+
+
+def test_the_gateway_reports_both_nodes(cluster: Cluster) -> None:
+    with cluster.api() as c:
+        nodes = c.get("/nodes").json()
+        assert [(n["nodeID"], n["status"], n["url"]) for n in nodes] == [
+            ("c1", "ready", cluster.nodes["c1"].url), ("c2", "ready", cluster.nodes["c2"].url)]
+        assert c.get("/nodes/c2").json()["sandboxes"] == {"running": 0, "paused": 0}
+        assert c.get("/nodes").status_code == 200
+    assert httpx.get(cluster.gateway_url + "/nodes").status_code == 401
+    # a node takes the secret in place of its key; a client without either gets nothing
+    node = cluster.nodes["c1"].url
+    assert httpx.get(node + "/v2/sandboxes", headers={"X-Aenv-Cluster-Secret": SECRET}
+                     ).status_code == 200
+    assert httpx.get(node + "/v2/sandboxes", headers={"X-Aenv-Cluster-Secret": "x" * 40}
+                     ).status_code == 401
+
+
+def test_sandboxes_spread_over_both_nodes_and_work_through_the_gateway(
+        cluster: Cluster) -> None:
+    made = [Sandbox.create("base", metadata={"suite": "cluster"}) for _ in range(2)]
+    try:
+        assert {cluster.node_of(s.sandbox_id) for s in made} == {"c1", "c2"}
+        for s in made:
+            assert s.commands.run("echo hi from $(hostname)").stdout.startswith("hi from")
+        a, b = made
+        a.files.write("/home/user/note.txt", "through the gateway")
+        assert a.files.read("/home/user/note.txt") == "through the gateway"
+        assert not b.files.exists("/home/user/note.txt")   # b is another VM, elsewhere
+        lines: list[str] = []
+        b.commands.run("for i in 1 2 3; do echo $i; sleep 0.2; done",
+                       on_stdout=lines.append)             # streamed as it runs
+        assert [x.strip() for x in lines] == ["1", "2", "3"]
+        listed = {s.sandbox_id for s in Sandbox.list().next_items()}
+        assert {s.sandbox_id for s in made} <= listed
+        assert Sandbox.connect(a.sandbox_id).get_info().metadata == {"suite": "cluster"}
+
+        # a fork's child lives on its source's node and is routed at once
+        with cluster.api() as c:
+            r = c.post(f"/sandboxes/{b.sandbox_id}/fork", json={"count": 1})
+            assert r.status_code == 201, r.text
+            child = r.json()[0]["sandbox"]["sandboxID"]
+        assert cluster.node_of(child) == cluster.node_of(b.sandbox_id)
+        kid = Sandbox.connect(child)
+        assert kid.commands.run("echo child").stdout.strip() == "child"
+        kid.kill()
+
+        a.kill()
+        assert cluster.node_of(a.sandbox_id) is None
+        listed = {s.sandbox_id for s in Sandbox.list().next_items()}
+        assert a.sandbox_id not in listed and b.sandbox_id in listed
+    finally:
+        for s in made:
+            with contextlib.suppress(Exception):
+                s.kill()
+
+
+def test_a_node_killed_with_sigkill_leaves_scheduling_within_its_ttl(cluster: Cluster) -> None:
+    victim, other = cluster.nodes["c2"], cluster.nodes["c1"]
+    before = [Sandbox.create("base") for _ in range(2)]    # one on each node
+    on_victim = next(s for s in before if cluster.node_of(s.sandbox_id) == "c2")
+    moved: list[Sandbox] = []
+    try:
+        victim.kill9()
+        killed_at = time.monotonic()
+        while cluster.statuses()["c2"] != "unhealthy":
+            assert time.monotonic() - killed_at < DEFAULT_TTL_S + 1.5, "still ready"
+            time.sleep(0.1)
+        moved = [Sandbox.create("base") for _ in range(2)]
+        assert {cluster.node_of(s.sandbox_id) for s in moved} == {"c1"}
+        assert cluster.statuses() == {"c1": "ready", "c2": "unhealthy"}
+        # its sandboxes answer an error at once, not a hang
+        asked = time.monotonic()
+        with pytest.raises(Exception):  # noqa: B017  (the SDK's class varies)
+            on_victim.commands.run("true", request_timeout=30)
+        assert time.monotonic() - asked < 10
+    finally:
+        # Back, it re-attaches its VMs and publishes again (and serving() cleans up).
+        victim.start()
+    try:
+        assert cluster.statuses()["c2"] == "ready"
+        assert cluster.node_of(on_victim.sandbox_id) == "c2"
+        assert on_victim.commands.run("echo back").stdout.strip() == "back"
+    finally:
+        for s in [*before, *moved]:
+            with contextlib.suppress(Exception):
+                s.kill()
+    assert other.proc is not None and other.proc.poll() is None

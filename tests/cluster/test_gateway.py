@@ -1,0 +1,177 @@
+"""The gateway against real Redis and fake nodes (small HTTP servers on loopback, no VMs):
+auth, the cluster secret, create failover, merged lists, routing by the index, /nodes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from starlette.types import Receive, Scope, Send
+
+from aenv.cluster.gateway import Gateway
+from aenv.cluster.registry import IndexEntry, NodeRecord, Registry
+from tests.cluster.redis_server import RedisServer
+from tests.conftest import free_port
+
+KEY = "e2b_" + "k" * 40
+SECRET = "s" * 40
+
+
+@dataclass
+class FakeNode:
+    """Answers like a node: creates with ``create_status``, lists its ``sandboxes``, echoes
+    sandbox traffic; records every request's (method, path, headers)."""
+
+    name: str
+    create_status: int = 201
+    sandboxes: list[dict[str, Any]] = field(default_factory=list)
+    seen: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)
+    port: int = field(default_factory=free_port)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        headers = {k.decode(): v.decode() for k, v in scope["headers"]}
+        self.seen.append((scope["method"], scope["path"], headers))
+        status, body = 200, b"{}"
+        if "e2b-sandbox-id" in headers and "x-aenv-cluster-secret" not in headers:
+            body = json.dumps({"node": self.name, "path": scope["path"],
+                               "sandbox": headers["e2b-sandbox-id"],
+                               "port": headers["e2b-sandbox-port"]}).encode()
+        elif scope["method"] == "POST" and scope["path"] == "/sandboxes":
+            status = self.create_status
+            body = json.dumps({"sandboxID": f"{self.name}-new"}).encode()
+        elif scope["path"] == "/v2/sandboxes":
+            body = json.dumps(self.sandboxes).encode()
+        elif scope["path"].startswith("/sandboxes/"):
+            body = json.dumps({"node": self.name, "path": scope["path"]}).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+@contextlib.asynccontextmanager
+async def serving(node: FakeNode) -> AsyncIterator[FakeNode]:
+    server = uvicorn.Server(uvicorn.Config(node, host="127.0.0.1", port=node.port,
+                                           log_level="warning", lifespan="off"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    try:
+        yield node
+    finally:
+        server.should_exit = True
+        await task
+
+
+@pytest.fixture
+async def cluster(redis_server: RedisServer) -> AsyncIterator[
+        tuple[Registry, httpx.AsyncClient, FakeNode, FakeNode]]:
+    reg = Registry.from_url(redis_server.url(1), ttl_s=30)
+    await reg.client.flushdb()
+    gw = Gateway(Registry.from_url(redis_server.url(1)), api_key=KEY, cluster_secret=SECRET)
+    async with serving(FakeNode("a")) as a, serving(FakeNode("b")) as b:
+        for n in (a, b):
+            await reg.publish(NodeRecord(n.name, n.url, "t"), [])
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(gw.app),
+                                   base_url="http://gw", headers={"X-API-KEY": KEY})
+        try:
+            yield reg, client, a, b
+        finally:
+            await client.aclose()
+            await gw.close()
+            await reg.close()
+
+
+async def test_clients_need_the_gateways_key_and_nodes_get_the_secret_instead(cluster) -> None:
+    reg, client, a, _ = cluster
+    await reg.publish(NodeRecord("a", a.url, "t"), [IndexEntry("sb1")])
+    assert (await client.get("/sandboxes/sb1", headers={"X-API-KEY": "e2b_" + "x" * 40})
+            ).status_code == 401
+    r = await client.get("/sandboxes/sb1", headers={"X-Aenv-Cluster-Secret": "forged" * 8})
+    assert r.status_code == 200 and r.json() == {"node": "a", "path": "/sandboxes/sb1"}
+    _, _, headers = a.seen[-1]
+    assert headers["x-aenv-cluster-secret"] == SECRET   # the client's value was replaced
+    assert "x-api-key" not in headers                   # the client's key stays here
+    assert (await client.get("/sandboxes/nope")).status_code == 404
+
+
+async def test_a_create_refused_by_one_node_goes_to_the_next(cluster) -> None:
+    reg, client, a, b = cluster
+    await reg.publish(NodeRecord("a", a.url, "t", running=0), [])
+    await reg.publish(NodeRecord("b", b.url, "t", running=5), [])
+    a.create_status = 503
+    r = await client.post("/sandboxes", json={"templateID": "base"})
+    assert r.status_code == 201 and r.json()["sandboxID"] == "b-new"
+    assert [p for m, p, _ in a.seen] == ["/sandboxes"]  # a was asked first (fewer)
+    a.create_status = 429
+    b.create_status = 500
+    r = await client.post("/sandboxes", json={"templateID": "base"})
+    assert r.status_code == 500                         # every node refused: the last answer
+    await reg.leave("a")
+    await reg.leave("b")
+    r = await client.post("/sandboxes", json={"templateID": "base"})
+    assert r.status_code == 503
+
+
+async def test_lists_merge_every_live_nodes_answer(cluster) -> None:
+    reg, client, a, b = cluster
+    a.sandboxes = [{"sandboxID": "a1", "startedAt": "2026-01-01T00:00:01Z"},
+                   {"sandboxID": "a2", "startedAt": "2026-01-01T00:00:03Z"}]
+    b.sandboxes = [{"sandboxID": "b1", "startedAt": "2026-01-01T00:00:02Z"}]
+    r = await client.get("/v2/sandboxes")
+    assert [s["sandboxID"] for s in r.json()] == ["a2", "b1", "a1"]
+    r = await client.get("/v2/sandboxes", params={"order": "asc", "limit": "2"})
+    assert [s["sandboxID"] for s in r.json()] == ["a1", "b1"]
+    assert r.headers["x-aenv-truncated"] == "1"
+    await reg.publish(NodeRecord("c", f"http://127.0.0.1:{free_port()}", "t"), [])  # dead port
+    r = await client.get("/v2/sandboxes")
+    assert len(r.json()) == 3 and r.headers["x-aenv-unreachable-nodes"] == "c"
+
+
+async def test_sandbox_traffic_goes_to_the_sandboxs_node_by_header_or_host(cluster) -> None:
+    reg, client, _, b = cluster
+    await reg.publish(NodeRecord("b", b.url, "t"), [IndexEntry("sb2")])
+    plain = httpx.AsyncClient(transport=client._transport, base_url="http://gw")
+    async with plain:
+        r = await plain.get("/health", headers={"E2b-Sandbox-Id": "sb2",
+                                                "E2b-Sandbox-Port": "49983"})
+        assert r.json() == {"node": "b", "path": "/health", "sandbox": "sb2", "port": "49983"}
+        r = await plain.get("/x", headers={"Host": "8080-sb2.example.test"})
+        assert r.json() == {"node": "b", "path": "/x", "sandbox": "sb2", "port": "8080"}
+        assert b.seen[-1][2]["host"] == "8080-sb2.example.test"
+        r = await plain.get("/health", headers={"E2b-Sandbox-Id": "gone",
+                                                "E2b-Sandbox-Port": "49983"})
+        assert r.status_code == 502 and r.json()["message"] == "The sandbox was not found"
+        await reg.leave("b")  # its node past its TTL: not routed
+        r = await plain.get("/health", headers={"E2b-Sandbox-Id": "sb2",
+                                                "E2b-Sandbox-Port": "49983"})
+        assert r.status_code == 502
+
+
+async def test_nodes_are_reported(cluster) -> None:
+    reg, client, a, _ = cluster
+    await reg.publish(NodeRecord("a", a.url, "0.1.0", max_sandboxes=64),
+                      [IndexEntry("x"), IndexEntry("y", running=False)])
+    await reg.publish(NodeRecord("a", a.url, "0.1.0", running=1, paused=1, max_sandboxes=64),
+                      [IndexEntry("x"), IndexEntry("y", running=False)])
+    await reg.leave("b")
+    nodes = (await client.get("/nodes")).json()
+    assert [(n["nodeID"], n["status"]) for n in nodes] == [("a", "ready"), ("b", "unhealthy")]
+    one = (await client.get("/nodes/a")).json()
+    assert one["url"] == a.url and one["version"] == "0.1.0"
+    assert one["sandboxes"] == {"running": 1, "paused": 1}
+    assert one["capacity"] == {"maxSandboxes": 64}
+    assert (await client.get("/nodes/zz")).status_code == 404
+    assert (await client.get("/nodes", headers={"X-API-KEY": ""})).status_code == 401
