@@ -161,6 +161,15 @@ def test_sandboxes_spread_over_both_nodes_and_work_through_the_gateway(
         assert kid.commands.run("echo child").stdout.strip() == "child"
         kid.kill()
 
+        # paused, it stays indexed on its node (and counted there); connect resumes it
+        home = cluster.node_of(b.sandbox_id)
+        with cluster.api() as c:
+            assert c.post(f"/sandboxes/{b.sandbox_id}/pause").status_code == 204
+            assert c.get(f"/nodes/{home}").json()["sandboxes"] == {"running": 0, "paused": 1}
+        assert cluster.node_of(b.sandbox_id) == home
+        b = Sandbox.connect(b.sandbox_id)
+        assert b.commands.run("echo resumed").stdout.strip() == "resumed"
+
         a.kill()
         assert cluster.node_of(a.sandbox_id) is None
         listed = {s.sandbox_id for s in Sandbox.list().next_items()}

@@ -40,6 +40,8 @@ class FakeNode:
         return f"http://127.0.0.1:{self.port}"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            return await self._echo(scope, receive, send)
         if scope["type"] != "http":
             return
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
@@ -61,10 +63,27 @@ class FakeNode:
         await send({"type": "http.response.body", "body": body})
 
 
+    async def _echo(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A WebSocket that says where it is, then echoes every message."""
+        headers = {k.decode(): v.decode() for k, v in scope["headers"]}
+        await receive()  # websocket.connect
+        await send({"type": "websocket.accept"})
+        await send({"type": "websocket.send", "text": json.dumps(
+            {"node": self.name, "sandbox": headers.get("e2b-sandbox-id"),
+             "port": headers.get("e2b-sandbox-port"), "path": scope["path"]})})
+        while True:
+            msg = await receive()
+            if msg["type"] == "websocket.disconnect":
+                return
+            await send({"type": "websocket.send", "text": msg.get("text"),
+                        "bytes": msg.get("bytes")})
+
+
 @contextlib.asynccontextmanager
-async def serving(node: FakeNode) -> AsyncIterator[FakeNode]:
+async def serving(node: Any) -> AsyncIterator[FakeNode]:
     server = uvicorn.Server(uvicorn.Config(node, host="127.0.0.1", port=node.port,
-                                           log_level="warning", lifespan="off"))
+                                           log_level="warning", lifespan="off",
+                                           ws="websockets-sansio"))
     task = asyncio.create_task(server.serve())
     while not server.started:
         await asyncio.sleep(0.01)
@@ -175,3 +194,36 @@ async def test_nodes_are_reported(cluster) -> None:
     assert one["capacity"] == {"maxSandboxes": 64}
     assert (await client.get("/nodes/zz")).status_code == 404
     assert (await client.get("/nodes", headers={"X-API-KEY": ""})).status_code == 401
+
+
+@dataclass
+class Served:
+    """An ASGI app to serve on a free port (the gateway itself, for WebSockets)."""
+
+    app: Any
+    port: int = field(default_factory=free_port)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.app(scope, receive, send)
+
+
+async def test_websockets_pass_through_to_the_sandboxs_node(cluster, redis_server) -> None:
+    import websockets
+
+    reg, _, a, _ = cluster
+    await reg.publish(NodeRecord("a", a.url, "t"), [IndexEntry("sb3")])
+    gw = Gateway(Registry.from_url(redis_server.url(1)), api_key=KEY, cluster_secret=SECRET)
+    try:
+        async with serving(Served(gw.app)) as served, websockets.connect(
+                f"ws://127.0.0.1:{served.port}/stream",
+                additional_headers={"E2b-Sandbox-Id": "sb3",
+                                    "E2b-Sandbox-Port": "8080"}) as ws:
+            hello = json.loads(await ws.recv())
+            assert hello == {"node": "a", "sandbox": "sb3", "port": "8080",
+                             "path": "/stream"}
+            await ws.send("ping")
+            assert await ws.recv() == "ping"
+            await ws.send(b"\x00\x01")
+            assert await ws.recv() == b"\x00\x01"
+    finally:
+        await gw.close()
