@@ -180,6 +180,21 @@ def test_sandboxes_spread_over_both_nodes_and_work_through_the_gateway(
                 s.kill()
 
 
+def test_redis_restarted_empty_is_filled_again_by_the_nodes(cluster: Cluster) -> None:
+    sbx = Sandbox.create("base")
+    try:
+        home = cluster.node_of(sbx.sandbox_id)
+        cluster.redis.restart_empty()
+        restarted = time.monotonic()
+        while cluster.node_of(sbx.sandbox_id) != home:
+            assert time.monotonic() - restarted < 10, "routing not whole again in 10 s"
+            time.sleep(0.1)
+        assert cluster.statuses() == {"c1": "ready", "c2": "ready"}
+        assert sbx.commands.run("echo still here").stdout.strip() == "still here"
+    finally:
+        sbx.kill()
+
+
 def test_a_node_killed_with_sigkill_leaves_scheduling_within_its_ttl(cluster: Cluster) -> None:
     victim, other = cluster.nodes["c2"], cluster.nodes["c1"]
     before = [Sandbox.create("base") for _ in range(2)]    # one on each node
