@@ -690,7 +690,7 @@ class FirecrackerRuntime(Runtime):
         except BootError as e:
             raise SnapshotError(f"restore of {snapshot_dir} failed: {e.args[0]}", vm_id=vm_id,
                                 vmm_log_tail=e.vmm_log_tail) from (e.__cause__ or e)
-        except (OSError, snapshots.SnapshotError) as e:
+        except (OSError, snapshots.SnapshotFilesError) as e:
             raise SnapshotError(f"restore of {snapshot_dir} failed: {e}", vm_id=vm_id) from e
         vm.boot_timings.update(files=t_files, loaded=t_loaded)
         log.info("restored %s from %s in %.0f ms (files %.0f ms, pid %d)", vm_id, snapshot_dir,
@@ -868,5 +868,5 @@ def _readable_manifest(directory: Path | None) -> snapshots.Manifest | None:
         return None
     try:
         return snapshots.read_manifest(directory)
-    except snapshots.SnapshotError:
+    except snapshots.SnapshotFilesError:
         return None

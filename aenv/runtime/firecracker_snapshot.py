@@ -315,5 +315,5 @@ def _copy_range(src: int, dst: int, offset: int, length: int) -> None:
     while done < length:
         n = os.copy_file_range(src, dst, length - done, offset + done, offset + done)
         if n == 0:
-            raise snapshots.SnapshotError("memory layer is shorter than its runs say")
+            raise snapshots.SnapshotFilesError("memory layer is shorter than its runs say")
         done += n

@@ -320,7 +320,7 @@ def _capture_shared(workdir: Path, staging: Path) -> _MemoryResult:
 def _pread(fd: int, length: int, offset: int) -> bytes:
     data = os.pread(fd, length, offset)
     if len(data) != length:  # layer files are full size: only a truncated file gets here
-        raise snap.SnapshotError(f"short read of a memory layer at {offset:#x}")
+        raise snap.SnapshotFilesError(f"short read of a memory layer at {offset:#x}")
     return data
 
 

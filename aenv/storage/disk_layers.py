@@ -27,7 +27,7 @@ from .image_ref import BadImageRef, ImageRef
 LayerFormat = Literal["raw", "qcow2"]
 
 
-class LayerError(StorageError):
+class DiskLayerError(StorageError):
     """A layer could not be committed or found."""
 
 
@@ -48,7 +48,7 @@ def commit(disk: Disk, directory: Path, layer_id: str) -> DiskLayer:
     directory.mkdir(parents=True, exist_ok=True)
     dest = directory / f"{layer_id}.{disk.format}"
     if dest.exists():
-        raise LayerError(f"layer {layer_id} already exists")
+        raise DiskLayerError(f"layer {layer_id} already exists")
     os.replace(disk.path, dest)
     os.chmod(dest, 0o444)
     durable.fsync_file(dest)
@@ -61,7 +61,7 @@ def layer_id(ref: str | ImageRef) -> str:
     """The id a ``layer:<id>`` reference names (checked: it becomes a file name)."""
     parsed = _parse(ref)
     if not parsed.is_layer:
-        raise LayerError(f"bad layer reference: {str(ref)!r}")
+        raise DiskLayerError(f"bad layer reference: {str(ref)!r}")
     return parsed.id
 
 
@@ -69,26 +69,26 @@ def resolve(ref: str | ImageRef, directory: Path) -> DiskLayer:
     """The layer a template's ``image`` reference names."""
     parsed = _parse(ref)
     if not parsed.is_layer:
-        raise LayerError(f"not a layer reference: {str(ref)!r}")
+        raise DiskLayerError(f"not a layer reference: {str(ref)!r}")
     layer_id = parsed.id
     for fmt in ("qcow2", "raw"):
         path = directory / f"{layer_id}.{fmt}"
         if path.exists():
             return DiskLayer(layer_id, path, fmt)
-    raise LayerError(f"layer {layer_id} is missing from {directory}")
+    raise DiskLayerError(f"layer {layer_id} is missing from {directory}")
 
 
 def _parse(ref: str | ImageRef) -> ImageRef:
     try:
         return ref if isinstance(ref, ImageRef) else ImageRef.parse(ref)
     except BadImageRef as e:
-        raise LayerError(str(e)) from None
+        raise DiskLayerError(str(e)) from None
 
 
 def remove(ref: str, directory: Path) -> None:
     try:
         layer = resolve(ref, directory)
-    except LayerError:
+    except DiskLayerError:
         return
     layer.path.unlink(missing_ok=True)
     (layer.path.parent / f"{layer.id}.json").unlink(missing_ok=True)

@@ -176,7 +176,7 @@ def reachable(snapshots_root: Path, layers_root: Path, roots: Iterable[str]) -> 
                 todo.append((directory(snapshots_root, root), True))
             elif root.is_layer:
                 todo.append((disk_layers.resolve(root, layers_root).path, True))
-        except StorageError:  # BadImageRef, SnapshotMissing, LayerError: nothing to keep
+        except StorageError:  # BadImageRef, SnapshotMissing, DiskLayerError: nothing to keep
             continue
     expanded: set[Path] = set()
     while todo:

@@ -62,11 +62,11 @@ LayerKind = Literal["full", "diff"]
 Run = tuple[int, int]  # (first page, page count)
 
 
-class SnapshotError(StorageError):
+class SnapshotFilesError(StorageError):
     """A snapshot directory could not be written or read."""
 
 
-class SnapshotFormatError(SnapshotError):
+class SnapshotFormatError(SnapshotFilesError):
     """The directory is not a complete snapshot of a format this code reads."""
 
 
@@ -233,7 +233,7 @@ def begin(directory: Path) -> Path:
     then ``commit``. Files referenced by absolute path (backing chains) must use the final
     ``directory`` path, which is where they will be read from."""
     if directory.exists():
-        raise SnapshotError(f"{directory} already exists")
+        raise SnapshotFilesError(f"{directory} already exists")
     directory.parent.mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix=f".{directory.name}.partial-", dir=directory.parent))
 
@@ -247,7 +247,7 @@ def commit(staging: Path, directory: Path, manifest: Manifest) -> None:
         durable.fsync_tree(staging)
         durable.rename_durably(staging, directory)
     except OSError as e:
-        raise SnapshotError(f"cannot commit the snapshot at {directory}: {e}") from e
+        raise SnapshotFilesError(f"cannot commit the snapshot at {directory}: {e}") from e
 
 
 def abort(staging: Path) -> None:
@@ -285,7 +285,7 @@ def write_runs(path: Path, runs: Sequence[Run]) -> None:
         flat.append(start)
         flat.append(count)
     if flat.itemsize != 4:
-        raise SnapshotError("uint32 arrays are not 4 bytes on this platform")
+        raise SnapshotFilesError("uint32 arrays are not 4 bytes on this platform")
     if sys.byteorder != "little":
         flat.byteswap()
     path.write_bytes(flat.tobytes())
@@ -313,7 +313,7 @@ def owner_map(layers: Sequence[MemoryLayer], npages: int) -> bytearray:
     """For every page, the index of the layer whose copy is current (0 = the base).
     Diff layers are applied in order, so a later layer's page wins."""
     if len(layers) > 255:
-        raise SnapshotError("more than 255 memory layers")
+        raise SnapshotFilesError("more than 255 memory layers")
     owners = bytearray(npages)
     for index, layer in enumerate(layers[1:], 1):
         mark = bytes([index])
@@ -387,7 +387,7 @@ def copy_sparse(src: Path, dest: Path) -> int:
             while pos < end:
                 sent = os.sendfile(d.fileno(), s.fileno(), pos, end - pos)
                 if sent == 0:
-                    raise SnapshotError(f"{src} shrank while being copied")
+                    raise SnapshotFilesError(f"{src} shrank while being copied")
                 pos += sent
             copied += end - start
             offset = end
@@ -407,7 +407,7 @@ class ImageInfo:
 def _qemu_img() -> str:
     binary = shutil.which("qemu-img")
     if binary is None:
-        raise SnapshotError("qemu-img is missing (apt-get install qemu-utils)")
+        raise SnapshotFilesError("qemu-img is missing (apt-get install qemu-utils)")
     return binary
 
 

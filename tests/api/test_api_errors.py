@@ -23,11 +23,10 @@ from aenv.network.errors import (
     SlotBusyError,
 )
 from aenv.orchestrator.errors import Conflict, StartFailed
-from aenv.runtime.base import BootError, NotSupportedError, VMExitedError
-from aenv.runtime.base import SnapshotError as VMSnapshotError
+from aenv.runtime.base import BootError, NotSupportedError, SnapshotError, VMExitedError
 from aenv.storage.errors import CommandFailed, ImageError
 from aenv.storage.snapshot_store import SnapshotMissing
-from aenv.storage.snapshots import SnapshotError as DiskSnapshotError
+from aenv.storage.snapshots import SnapshotFilesError
 from tests.api.api_world import AUTH, make_world
 from tests.conftest import free_port
 
@@ -42,8 +41,8 @@ RAISED: dict[str, tuple[BaseException, int, str]] = {
                        "host storage failure (CommandFailed)"),
     "image-error": (ImageError(SECRET), 500, "host storage failure (ImageError)"),
     "snapshot-missing": (SnapshotMissing(SECRET), 500, "host storage failure (SnapshotMissing)"),
-    "disk-snapshot": (DiskSnapshotError(SECRET), 500, "host storage failure (SnapshotError)"),
-    "vm-snapshot": (VMSnapshotError(SECRET, vmm_log_tail=SECRET), 500,
+    "disk-snapshot": (SnapshotFilesError(SECRET), 500, "host storage failure (SnapshotFilesError)"),
+    "vm-snapshot": (SnapshotError(SECRET, vmm_log_tail=SECRET), 500,
                     "VM runtime failure (SnapshotError)"),
     "boot-error": (BootError(SECRET, console_tail=SECRET), 500, "VM runtime failure (BootError)"),
     "vm-exited": (VMExitedError(SECRET), 500, "VM runtime failure (VMExitedError)"),
@@ -140,7 +139,7 @@ async def test_a_failed_snapshot_is_a_500_not_plain_text(api) -> None:
     sid = await _sandbox(c)
 
     async def snapshot(rec, ref) -> None:
-        raise VMSnapshotError(SECRET, vmm_log_tail=SECRET)
+        raise SnapshotError(SECRET, vmm_log_tail=SECRET)
 
     world.machines.snapshot = snapshot
     _assert_e2b(await c.post(f"/sandboxes/{sid}/snapshots", json={}), 500,

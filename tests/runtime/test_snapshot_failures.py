@@ -71,7 +71,7 @@ async def test_a_paused_vm_stays_paused_when_its_snapshot_fails(guest: Guest, tm
 async def test_a_pause_that_fails_before_its_commit_gives_the_vm_back_running(
         guest: Guest, tmp_path, monkeypatch) -> None:
     def cannot_commit(*args, **kwargs) -> None:
-        raise snapshots.SnapshotError("cannot commit the snapshot: Input/output error")
+        raise snapshots.SnapshotFilesError("cannot commit the snapshot: Input/output error")
 
     top = guest.vm.active_drive("rootfs")
     monkeypatch.setattr(qs.snap, "commit", cannot_commit)
@@ -93,7 +93,7 @@ async def test_after_the_failures_a_snapshot_is_taken_and_the_vm_runs_on(guest: 
 async def test_a_snapshot_that_fails_after_its_drive_switch_still_names_the_file_the_vm_writes(
         guest: Guest, tmp_path, monkeypatch) -> None:
     def cannot_commit(*args, **kwargs) -> None:
-        raise snapshots.SnapshotError("cannot commit the snapshot: Input/output error")
+        raise snapshots.SnapshotFilesError("cannot commit the snapshot: Input/output error")
 
     top = guest.vm.active_drive("rootfs")
     overlays = sorted(p.name for p in guest.vm.workdir.glob("rootfs*"))

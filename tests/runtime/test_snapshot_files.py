@@ -86,7 +86,7 @@ def test_dependencies_include_drive_chains(tmp_path) -> None:
 def test_a_snapshot_directory_is_never_overwritten(tmp_path) -> None:
     d = tmp_path / "s1"
     make_snapshot(d, (snap.MemoryLayer(d, "full", 0),))
-    with pytest.raises(snap.SnapshotError, match="exists"):
+    with pytest.raises(snap.SnapshotFilesError, match="exists"):
         snap.begin(d)
 
 

@@ -69,9 +69,9 @@ def test_the_snapshot_store_refuses_what_names_no_snapshot(tmp_path: Path, text)
 
 @pytest.mark.parametrize("text", ["snapshot:abc", "img", "layer:a/b", "layer:", ""])
 def test_the_layer_store_refuses_what_names_no_layer(tmp_path: Path, text) -> None:
-    with pytest.raises(disk_layers.LayerError):
+    with pytest.raises(disk_layers.DiskLayerError):
         disk_layers.layer_id(text)
-    with pytest.raises(disk_layers.LayerError):
+    with pytest.raises(disk_layers.DiskLayerError):
         disk_layers.resolve(text, tmp_path)
 
 
