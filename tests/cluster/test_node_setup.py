@@ -1,0 +1,64 @@
+"""What a node and a gateway need to join a cluster, checked before anything starts (no
+Redis, no root)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from typer.testing import CliRunner
+
+from aenv.cli import server as cli_server
+from aenv.cli.main import app
+from aenv.cluster.node_setup import NodeSetupError, advertise_url, check, node_id
+from aenv.config import Settings, SettingsError
+
+NO_FLAGS = {f.name: None for f, var in Settings.variables() if var.flag}
+SECRET = "s" * 32
+
+
+def settings(env: dict[str, str], **flags: object) -> Settings:
+    return cli_server.server_settings({**NO_FLAGS, **flags}, env)
+
+
+def test_cluster_flags_win_over_their_variables() -> None:
+    env = {"AENV_CLUSTER": "redis://10.0.0.5:6379/0", "AENV_NODE_ID": "n1",
+           "AENV_ADVERTISE_URL": "http://10.0.0.11:3000", "AENV_CLUSTER_SECRET": SECRET}
+    s = settings(env, node_id="n2", cluster="redis://127.0.0.1:6380/3")
+    assert (s.cluster, s.node_id, s.advertise_url) == (
+        "redis://127.0.0.1:6380/3", "n2", "http://10.0.0.11:3000")
+    assert "<hidden>" in repr(s) and SECRET not in repr(s)
+    check(s)
+
+
+@pytest.mark.parametrize(("env", "error"), [
+    ({"AENV_CLUSTER": "10.0.0.5:6379"}, "AENV_CLUSTER='10.0.0.5:6379' is not a redis://"),
+    ({"AENV_NODE_ID": "a b"}, "AENV_NODE_ID='a b' must be 1-63 letters"),
+    ({"AENV_ADVERTISE_URL": "10.0.0.1:3000"}, "is not an http(s)://HOST:PORT URL"),
+    ({"AENV_CLUSTER_SECRET": "short"}, "AENV_CLUSTER_SECRET=<hidden> must be at least 32"),
+])
+def test_bad_values_are_refused_naming_the_variable(env: dict[str, str], error: str) -> None:
+    with pytest.raises(SettingsError, match=re.escape(error)):
+        settings(env)
+
+
+def test_a_node_needs_the_secret_and_a_reachable_url() -> None:
+    with pytest.raises(NodeSetupError, match="AENV_CLUSTER_SECRET"):
+        check(settings({"AENV_CLUSTER": "redis://127.0.0.1:6379/0"}))
+    wild = settings({"AENV_CLUSTER": "redis://127.0.0.1:6379/0", "AENV_CLUSTER_SECRET": SECRET},
+                    listen_host="0.0.0.0")
+    with pytest.raises(NodeSetupError, match="--advertise"):
+        check(wild)
+    s = settings({"AENV_CLUSTER_SECRET": SECRET}, listen_port=3100)
+    assert advertise_url(s) == "http://127.0.0.1:3100"
+    assert node_id(s)                                   # the host name
+    check(settings({}))                                 # not in a cluster: nothing needed
+
+
+def test_the_gateway_refuses_to_start_without_redis_or_secret() -> None:
+    runner = CliRunner()
+    out = runner.invoke(app, ["gateway", "--port", "0"], env={"AENV_CLUSTER": ""})
+    assert out.exit_code == 1 and "--cluster / AENV_CLUSTER" in out.output
+    out = runner.invoke(app, ["gateway", "--cluster", "redis://127.0.0.1:1/0"],
+                        env={"AENV_CLUSTER_SECRET": ""})
+    assert out.exit_code == 1 and "AENV_CLUSTER_SECRET is required" in out.output
