@@ -25,6 +25,7 @@ from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ..storage import durable
 from .errors import error_response
 
 log = logging.getLogger(__name__)
@@ -98,11 +99,7 @@ def _write_new_key(path: Path, replace: bool) -> str:
                 return load_api_key(path.parent)[0]
     finally:
         tmp.unlink(missing_ok=True)
-    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    durable.fsync_dir(path.parent)
     return key
 
 

@@ -43,6 +43,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import IO
 
+from . import durable
+
 _CHUNK = 1 << 20
 # Leftovers of uploads that died with the server; a live upload is never this old.
 STALE_PART_S = 24 * 3600
@@ -241,11 +243,7 @@ def _link_into_place(tmp: Path, final: Path) -> bool:
         os.link(tmp, final)
     except FileExistsError:
         return False
-    dir_fd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    durable.fsync_dir(final.parent)
     return True
 
 

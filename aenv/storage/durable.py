@@ -17,16 +17,16 @@ from pathlib import Path
 
 def fsync_file(path: Path) -> None:
     """Flush one file's data and metadata to the device (the file itself, not a link)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync(path, os.O_NOFOLLOW)
 
 
 def fsync_dir(path: Path) -> None:
     """Flush a directory's entries (names created, renamed or removed in it)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    _fsync(path, os.O_DIRECTORY)
+
+
+def _fsync(path: Path, flags: int) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | flags)
     try:
         os.fsync(fd)
     finally:
