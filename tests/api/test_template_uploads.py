@@ -13,8 +13,9 @@ import hashlib
 import io
 import os
 import tarfile
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from urllib.parse import parse_qs, urlsplit
@@ -65,22 +66,29 @@ class Api:
         return sorted(p.name for p in self.files_dir.glob(".*"))
 
 
-@contextlib.asynccontextmanager
-async def serve(tmp_path: Path, **options) -> AsyncIterator[Api]:
+def _server(tmp_path: Path, **options) -> tuple[uvicorn.Server, str, Builder, Path]:
+    """The app over a fresh template store, as a uvicorn server on a free loopback port
+    (not started): the server, its URL, its ``Builder`` and the directory uploads land in."""
     templates = TemplateStore(Database(tmp_path / "aenv.db"))
     files_dir = tmp_path / "build-files"
     builder = Builder(templates, None, files_dir)
-    tpl, _, _ = builder.request("uploads-test")
     app = create_api(SimpleNamespace(templates=templates), api_key=KEY, domain="localhost",
                      metrics=None, logs=lambda *a, **k: [], builder=builder,
                      upload_secret=b"secret", **options)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
                                            log_level="warning", lifespan="off"))
+    return server, f"http://127.0.0.1:{port}", builder, files_dir
+
+
+@contextlib.asynccontextmanager
+async def serve(tmp_path: Path, **options) -> AsyncIterator[Api]:
+    server, url, builder, files_dir = _server(tmp_path, **options)
+    tpl, _, _ = builder.request("uploads-test")
     task = asyncio.create_task(server.serve())
     while not server.started:
         await asyncio.sleep(0.01)
-    api = Api(f"http://127.0.0.1:{port}", files_dir, tpl.id)
+    api = Api(url, files_dir, tpl.id)
     try:
         yield api
     finally:
@@ -93,6 +101,22 @@ async def serve(tmp_path: Path, **options) -> AsyncIterator[Api]:
 async def api(tmp_path) -> AsyncIterator[Api]:
     async with serve(tmp_path) as a:
         yield a
+
+
+@contextlib.contextmanager
+def serve_in_thread(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """The app served from a thread, for a client that blocks (an SDK's own build): its URL
+    and the directory uploads land in."""
+    server, url, _, files_dir = _server(tmp_path)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    try:
+        yield url, files_dir
+    finally:
+        server.should_exit = True
+        thread.join(10)
 
 
 def _stored(api: Api, files_hash: str = HASH) -> Path:
@@ -231,8 +255,6 @@ def test_the_sdks_own_upload_lands_and_matches_its_files_hash(tmp_path, monkeypa
     """``Template.build`` of the E2B SDK against this app: its upload (its own HTTP stack,
     exact Content-Length, the URL as given) is stored, and the archive matches the
     step's ``filesHash``. The build itself then fails: there is no ``base`` template."""
-    import threading
-
     from e2b import Template
     from e2b.exceptions import BuildException
 
@@ -242,29 +264,13 @@ def test_the_sdks_own_upload_lands_and_matches_its_files_hash(tmp_path, monkeypa
     (ctx / "app").mkdir(parents=True)
     (ctx / "app/big.bin").write_bytes(os.urandom(3 * MiB))
     (ctx / "notes.txt").write_text("notes\n")
-    templates = TemplateStore(Database(tmp_path / "aenv.db"))
-    files_dir = tmp_path / "build-files"
-    app = create_api(SimpleNamespace(templates=templates), api_key=KEY, domain="localhost",
-                     metrics=None, logs=lambda *a, **k: [],
-                     builder=Builder(templates, None, files_dir), upload_secret=b"secret")
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    for k, v in {"E2B_API_KEY": KEY, "E2B_API_URL": f"http://127.0.0.1:{port}",
-                 "E2B_DOMAIN": "localhost"}.items():
-        monkeypatch.setenv(k, v)
-    try:
+    with serve_in_thread(tmp_path) as (url, files_dir):
+        for k, v in {"E2B_API_KEY": KEY, "E2B_API_URL": url, "E2B_DOMAIN": "localhost"}.items():
+            monkeypatch.setenv(k, v)
         template = (Template(file_context_path=str(ctx)).from_template("base")
                     .copy("app", "/home/user/app/").copy("notes.txt", "/opt/notes.txt"))
         with pytest.raises(BuildException):
             Template.build(template, "sdk-upload-test")
-    finally:
-        server.should_exit = True
-        thread.join(10)
     steps = template._template._instructions_with_hashes()
     copies = [s for s in steps if s["type"] == "COPY"]
     assert len(copies) == 2
@@ -282,7 +288,6 @@ def test_the_js_sdks_uploads_land_and_are_checked_as_far_as_they_can_be(tmp_path
     without directories match their ``filesHash``; one with a directory is
     ``UNVERIFIABLE`` (the JS SDK hashes directory sizes, which the archive lacks)."""
     import shutil
-    import threading
 
     from aenv.storage.build_archives import HashCheck, verify_files_hash
     from tests.conftest import ROOT, run_json_script
@@ -295,25 +300,10 @@ def test_the_js_sdks_uploads_land_and_are_checked_as_far_as_they_can_be(tmp_path
     (ctx / "big.bin").write_bytes(os.urandom(3 * MiB))
     (ctx / "small.bin").write_bytes(b"\0\1\2")
     (ctx / "notes.txt").write_text("notes\n")
-    templates = TemplateStore(Database(tmp_path / "aenv.db"))
-    files_dir = tmp_path / "build-files"
-    app = create_api(SimpleNamespace(templates=templates), api_key=KEY, domain="localhost",
-                     metrics=None, logs=lambda *a, **k: [],
-                     builder=Builder(templates, None, files_dir), upload_secret=b"secret")
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    try:
+    with serve_in_thread(tmp_path) as (url, files_dir):
         out = run_json_script(["node", "template_upload.mjs"], {
-            "E2B_API_KEY": KEY, "E2B_API_URL": f"http://127.0.0.1:{port}",
+            "E2B_API_KEY": KEY, "E2B_API_URL": url,
             "E2B_DOMAIN": "localhost", "AENV_JS_CONTEXT": str(ctx)}, cwd=ROOT / "tests/js")
-    finally:
-        server.should_exit = True
-        thread.join(10)
     assert out["failed"] is True and "not found" in out["error"]  # the build start, after
     checks = {}
     for src, dest, files_hash in out["copies"]:
