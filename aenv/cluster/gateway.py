@@ -14,11 +14,12 @@ One listener, as a node has (``aenv.proxy.front.Front`` decides per request):
   (``scheduling.candidates``), then to the next one when a node answers 429 or 5xx or
   does not answer (a create that timed out may still finish on the slow node).
   ``GET /sandboxes`` and ``GET /v2/sandboxes`` ask every live node and merge the answers,
-  ordered as a node orders them (by ``startedAt``, then id; ``order`` as given).
-  Pagination in this slice: ``limit`` applies to the merged list and no ``x-next-token``
-  is returned, so a listing larger than ``limit`` is cut (the answer carries
-  ``x-aenv-truncated: 1``). Nodes that do not answer are left out and named in
-  ``x-aenv-unreachable-nodes``. ``/sandboxes/{id}/...`` (and
+  ordered as a node orders them (by ``startedAt``, then id; ``order`` as given). A v2
+  page is the first ``limit`` of the merged pages (each node gives at most ``limit``
+  after the cursor, so none of the first ``limit`` is missed); its ``x-next-token`` is
+  the nodes' own cursor (``aenv.api.listing``: start time and id) of its last sandbox,
+  which every node applies to its own list. Nodes that do not answer are left out and
+  named in ``x-aenv-unreachable-nodes``. ``/sandboxes/{id}/...`` (and
   ``/v2/sandboxes/{id}/connect``) goes to the sandbox's node. ``GET /nodes`` and
   ``GET /nodes/{id}`` report the registry. Anything else (templates, snapshots) answers
   501 for now.
@@ -30,19 +31,23 @@ Advertised node URLs must be ``http://`` in this slice.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import re
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from datetime import datetime
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 import httpx
 from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..api.auth import ApiKeyMiddleware
+from ..api.errors import ApiError
+from ..api.listing import DEFAULT_LIMIT, decode_cursor
 from ..client.http import plain_client
 from ..envd.signing import Operation
 from ..proxy import ProxyRouter, Route, RouteTable
@@ -220,20 +225,26 @@ class Gateway:
     async def _list(self, scope: Scope) -> Reply:
         params = parse_qsl(scope.get("query_string", b"").decode("latin-1"),
                            keep_blank_values=True)
-        limit = next((v for k, v in params if k == "limit"), None)
-        order = next((v for k, v in params if k == "order"), "desc")
-        query = urlencode([(k, v) for k, v in params if k != "nextToken"]).encode()
+        given = dict(params)
+        paged = scope["path"] == "/v2/sandboxes"
+        after = None
+        if paged and given.get("nextToken"):
+            try:
+                after = decode_cursor(given["nextToken"])
+            except ApiError as e:
+                return Reply.error(e.status, e.message)
         nodes = [n for n in await self.registry.nodes() if n.alive]
 
         async def one(node: NodeStatus) -> Reply | Exception:
             try:
-                return await self._call(self._request(node, scope, b"", query), LIST_TIMEOUT_S)
+                return await self._call(self._request(node, scope, b""), LIST_TIMEOUT_S)
             except httpx.HTTPError as e:
                 return e
 
         answers = await asyncio.gather(*(one(n) for n in nodes))
         merged: list[dict[str, Any]] = []
         failed: list[str] = []
+        more = False
         for node, answer in zip(nodes, answers, strict=True):
             if isinstance(answer, Exception) or answer.status >= 500:
                 failed.append(node.record.node_id)
@@ -241,12 +252,19 @@ class Gateway:
             if answer.status != 200:
                 return answer  # a bad query: every node says the same
             merged.extend(json.loads(answer.body))
+            more = more or any(k.lower() == b"x-next-token" for k, _ in answer.headers)
+        if after is not None:  # the page's last sandbox, if a node's rounding kept it
+            merged = [s for s in merged if s.get("sandboxID") != after[1]]
         merged.sort(key=lambda s: (s.get("startedAt") or "", s.get("sandboxID") or ""),
-                    reverse=order != "asc")
+                    reverse=given.get("order", "desc") != "asc")
         extra: Headers = []
-        if limit and limit.isdigit() and len(merged) > int(limit):
-            merged = merged[:int(limit)]
-            extra.append((b"x-aenv-truncated", b"1"))
+        if paged:
+            limit = given.get("limit", "")
+            cut = int(limit) if limit.isdigit() else DEFAULT_LIMIT
+            more = more or len(merged) > cut
+            merged = merged[:cut]
+            if more and merged:
+                extra.append((b"x-next-token", _cursor(merged[-1]).encode()))
         if failed:
             extra.append((b"x-aenv-unreachable-nodes", ",".join(failed).encode()))
         return Reply.json(200, merged, extra)
@@ -265,6 +283,14 @@ class Gateway:
             log.warning("node %s did not answer %s %s: %s", node.record.node_id,
                         scope["method"], scope["path"], e)
             return Reply.error(502, f"the node of sandbox '{sandbox_id}' did not answer")
+
+
+def _cursor(listed: dict[str, Any]) -> str:
+    """The node's next-page token (``aenv.api.listing``'s cursor) after ``listed``, a
+    sandbox as a list shows it: every node understands it, and it orders across nodes."""
+    started = datetime.fromisoformat(str(listed["startedAt"]).replace("Z", "+00:00"))
+    key = [started.timestamp(), listed["sandboxID"]]
+    return base64.urlsafe_b64encode(json.dumps(key).encode()).decode()
 
 
 async def _body(receive: Receive) -> bytes | None:

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-from e2b import Sandbox
+from e2b import Sandbox, SandboxQuery
 
 from aenv.cluster.registry import DEFAULT_TTL_S
 from tests.cluster.redis_server import RedisServer, running_redis
@@ -149,6 +149,10 @@ def test_sandboxes_spread_over_both_nodes_and_work_through_the_gateway(
         assert [x.strip() for x in lines] == ["1", "2", "3"]
         listed = {s.sandbox_id for s in Sandbox.list().next_items()}
         assert {s.sandbox_id for s in made} <= listed
+        pages = Sandbox.list(query=SandboxQuery(metadata={"suite": "cluster"}), limit=1)
+        paged = [pages.next_items() for _ in range(2)]   # one from each node
+        assert sorted(p[0].sandbox_id for p in paged) == sorted(s.sandbox_id for s in made)
+        assert not pages.has_next or pages.next_items() == []
         assert Sandbox.connect(a.sandbox_id).get_info().metadata == {"suite": "cluster"}
 
         # a fork's child lives on its source's node and is routed at once

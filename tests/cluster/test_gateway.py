@@ -4,17 +4,21 @@ auth, the cluster secret, create failover, merged lists, routing by the index, /
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
+from urllib.parse import parse_qsl
 
 import httpx
 import pytest
 import uvicorn
 from starlette.types import Receive, Scope, Send
 
+from aenv.api.listing import decode_cursor
 from aenv.cluster.gateway import Gateway
 from aenv.cluster.registry import IndexEntry, NodeRecord, Registry
 from tests.cluster.redis_server import RedisServer
@@ -47,6 +51,7 @@ class FakeNode:
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
         self.seen.append((scope["method"], scope["path"], headers))
         status, body = 200, b"{}"
+        extra: list[tuple[bytes, bytes]] = []
         if "e2b-sandbox-id" in headers and "x-aenv-cluster-secret" not in headers:
             body = json.dumps({"node": self.name, "path": scope["path"],
                                "sandbox": headers["e2b-sandbox-id"],
@@ -55,12 +60,32 @@ class FakeNode:
             status = self.create_status
             body = json.dumps({"sandboxID": f"{self.name}-new"}).encode()
         elif scope["path"] == "/v2/sandboxes":
-            body = json.dumps(self.sandboxes).encode()
+            page, token = self._page(dict(parse_qsl(scope["query_string"].decode())))
+            body = json.dumps(page).encode()
+            extra = [(b"x-next-token", token.encode())] if token else []
         elif scope["path"].startswith("/sandboxes/"):
             body = json.dumps({"node": self.name, "path": scope["path"]}).encode()
         await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json")]})
+                    "headers": [(b"content-type", b"application/json"), *extra]})
         await send({"type": "http.response.body", "body": body})
+
+    def _page(self, q: dict[str, str]) -> tuple[list[dict[str, Any]], str | None]:
+        """A page as a node makes it (aenv.api.listing): ordered by (start, id), after the
+        cursor, ``limit`` long, a cursor when more follow."""
+        def key(s: dict[str, Any]) -> tuple[float, str]:
+            started = datetime.fromisoformat(s["startedAt"].replace("Z", "+00:00"))
+            return started.timestamp(), s["sandboxID"]
+
+        desc = q.get("order", "desc") == "desc"
+        rows = sorted(self.sandboxes, key=key, reverse=desc)
+        if "nextToken" in q:
+            after = decode_cursor(q["nextToken"])
+            rows = [r for r in rows if (key(r) < after if desc else key(r) > after)]
+        limit = int(q.get("limit", "100"))
+        if len(rows) <= limit:
+            return rows, None
+        last = key(rows[limit - 1])
+        return rows[:limit], base64.urlsafe_b64encode(json.dumps(list(last)).encode()).decode()
 
 
     async def _echo(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -144,19 +169,34 @@ async def test_a_create_refused_by_one_node_goes_to_the_next(cluster) -> None:
     assert r.status_code == 503
 
 
-async def test_lists_merge_every_live_nodes_answer(cluster) -> None:
+def started(second: int) -> str:
+    return f"2026-01-01T00:00:{second:02d}.123456Z"
+
+
+async def test_lists_merge_every_live_nodes_answer_and_page_across_nodes(cluster) -> None:
     reg, client, a, b = cluster
-    a.sandboxes = [{"sandboxID": "a1", "startedAt": "2026-01-01T00:00:01Z"},
-                   {"sandboxID": "a2", "startedAt": "2026-01-01T00:00:03Z"}]
-    b.sandboxes = [{"sandboxID": "b1", "startedAt": "2026-01-01T00:00:02Z"}]
+    a.sandboxes = [{"sandboxID": f"a{i}", "startedAt": started(i)} for i in (1, 3, 5)]
+    b.sandboxes = [{"sandboxID": f"b{i}", "startedAt": started(i)} for i in (2, 4)]
     r = await client.get("/v2/sandboxes")
-    assert [s["sandboxID"] for s in r.json()] == ["a2", "b1", "a1"]
-    r = await client.get("/v2/sandboxes", params={"order": "asc", "limit": "2"})
-    assert [s["sandboxID"] for s in r.json()] == ["a1", "b1"]
-    assert r.headers["x-aenv-truncated"] == "1"
+    assert [s["sandboxID"] for s in r.json()] == ["a5", "b4", "a3", "b2", "a1"]
+    assert "x-next-token" not in r.headers
+    for order, pages in (("desc", [["a5", "b4"], ["a3", "b2"], ["a1"]]),
+                         ("asc", [["a1", "b2"], ["a3", "b4"], ["a5"]])):
+        seen, token = [], None
+        while True:
+            params = {"order": order, "limit": "2", **({"nextToken": token} if token else {})}
+            r = await client.get("/v2/sandboxes", params=params)
+            assert r.status_code == 200, r.text
+            seen.append([s["sandboxID"] for s in r.json()])
+            token = r.headers.get("x-next-token")
+            if token is None:
+                break
+        assert seen == pages, order
+    r = await client.get("/v2/sandboxes", params={"nextToken": "garbage"})
+    assert r.status_code == 400
     await reg.publish(NodeRecord("c", f"http://127.0.0.1:{free_port()}", "t"), [])  # dead port
     r = await client.get("/v2/sandboxes")
-    assert len(r.json()) == 3 and r.headers["x-aenv-unreachable-nodes"] == "c"
+    assert len(r.json()) == 5 and r.headers["x-aenv-unreachable-nodes"] == "c"
 
 
 async def test_sandbox_traffic_goes_to_the_sandboxs_node_by_header_or_host(cluster) -> None:
