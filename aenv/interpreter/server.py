@@ -1,0 +1,132 @@
+"""HTTP routes of the code-interpreter server (the wire format of e2b-code-interpreter).
+
+``POST /execute`` takes ``{"code", "context_id"?, "language"?, "env_vars"?}`` (the Python SDK
+sends every key, ``null`` when unset; the JS SDK leaves them out) and answers 200 with one
+ASCII JSON object per line; ``/contexts`` answers ``{"id", "language", "cwd"}`` objects.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .kernels import Kernels, UnknownLanguage, normalise_language
+
+log = logging.getLogger("aenv.interpreter")
+
+
+def _line(obj: dict[str, Any]) -> bytes:
+    return (json.dumps(obj, ensure_ascii=True) + "\n").encode()
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    data = json.loads(raw)
+    if not isinstance(data, dict):
+        raise ValueError("the body must be a JSON object")
+    return data
+
+
+def create_app(kernels: Kernels, start_languages: tuple[str, ...] = ("python",)) -> Starlette:
+    @asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        for language in start_languages:
+            try:
+                await kernels.default(language)
+            except UnknownLanguage as exc:
+                log.warning("%s", exc)
+        try:
+            yield
+        finally:
+            await kernels.shutdown()
+
+    async def health(_: Request) -> Response:
+        return PlainTextResponse("OK")
+
+    async def execute(request: Request) -> Response:
+        try:
+            body = await _body(request)
+        except ValueError as exc:
+            return PlainTextResponse(f"invalid body: {exc}", status_code=400)
+        code = body.get("code")
+        if not isinstance(code, str):
+            return PlainTextResponse("code must be a string", status_code=400)
+        context_id, language = body.get("context_id"), body.get("language")
+        if context_id and language:
+            return PlainTextResponse(
+                "Only one of context_id or language can be provided", status_code=400)
+        envs = body.get("env_vars") or {}
+        if not isinstance(envs, dict):
+            return PlainTextResponse("env_vars must be an object", status_code=400)
+        if context_id:
+            ctx = kernels.contexts.get(context_id)
+            if ctx is None:
+                return PlainTextResponse(f"Context {context_id} not found", status_code=404)
+        else:
+            try:
+                ctx = await kernels.default(language)
+            except UnknownLanguage as exc:
+                return PlainTextResponse(str(exc), status_code=400)
+        token = request.headers.get("x-access-token")
+        lines = kernels.execute(ctx, code, {str(k): str(v) for k, v in envs.items()}, token)
+
+        async def stream() -> AsyncIterator[bytes]:
+            async for line in lines:
+                yield _line(line)
+
+        return StreamingResponse(stream(), media_type="application/json")
+
+    async def create_context(request: Request) -> Response:
+        try:
+            body = await _body(request)
+        except ValueError as exc:
+            return PlainTextResponse(f"invalid body: {exc}", status_code=400)
+        try:
+            ctx = await kernels.create(body.get("language"), body.get("cwd"))
+        except UnknownLanguage as exc:
+            return PlainTextResponse(str(exc), status_code=400)
+        except NotADirectoryError as exc:
+            return PlainTextResponse(str(exc), status_code=400)
+        return JSONResponse(ctx.describe())
+
+    async def list_contexts(_: Request) -> Response:
+        return JSONResponse([ctx.describe() for ctx in kernels.contexts.values()])
+
+    async def restart_context(request: Request) -> Response:
+        ctx = kernels.contexts.get(request.path_params["context_id"])
+        if ctx is None:
+            return PlainTextResponse("Context not found", status_code=404)
+        await kernels.restart(ctx)
+        return JSONResponse(None)
+
+    async def remove_context(request: Request) -> Response:
+        ctx = kernels.contexts.get(request.path_params["context_id"])
+        if ctx is None:
+            return PlainTextResponse("Context not found", status_code=404)
+        await kernels.remove(ctx)
+        return JSONResponse(None)
+
+    return Starlette(
+        routes=[
+            Route("/health", health, methods=["GET"]),
+            Route("/execute", execute, methods=["POST"]),
+            Route("/contexts", create_context, methods=["POST"]),
+            Route("/contexts", list_contexts, methods=["GET"]),
+            Route("/contexts/{context_id}/restart", restart_context, methods=["POST"]),
+            Route("/contexts/{context_id}", remove_context, methods=["DELETE"]),
+        ],
+        lifespan=lifespan,
+    )
+
+
+__all__ = ["create_app", "normalise_language"]
