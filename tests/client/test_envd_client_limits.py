@@ -102,21 +102,31 @@ async def _guarded(call: Awaitable[Any]) -> float:
     return time.monotonic() - t0
 
 
-async def test_run_ends_by_its_timeout_when_envd_trickles_forever() -> None:
-    async def trickle(writer: asyncio.StreamWriter) -> None:
-        writer.write(_STREAM_HEAD)
-        await _trickle_forever(writer, envelope({"event": {"keepalive": {}}}))
+async def _refused(client: EnvdClient, call: Awaitable[Any]) -> tuple[EnvdError, float]:
+    """Await ``call`` (of ``client``) under the guard, expecting an ``EnvdError``, then close
+    ``client``: the error and the seconds from the call to the client being closed."""
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(EnvdError) as err:
+            await _guarded(call)
+    finally:
+        await client.aclose()
+    return err.value, time.monotonic() - t0
 
-    async with HostileEnvd(trickle) as fake:
+
+async def _keepalives_forever(writer: asyncio.StreamWriter) -> None:
+    """A stream that is never more than begun: its head, then keepalive envelopes a byte at a
+    time."""
+    writer.write(_STREAM_HEAD)
+    await _trickle_forever(writer, envelope({"event": {"keepalive": {}}}))
+
+
+async def test_run_ends_by_its_timeout_when_envd_trickles_forever() -> None:
+    async with HostileEnvd(_keepalives_forever) as fake:
         client = EnvdClient(fake.url)
-        t0 = time.monotonic()
-        try:
-            with pytest.raises(EnvdError) as err:
-                await _guarded(client.run("sync", timeout=0.5))
-        finally:
-            await client.aclose()
-        assert time.monotonic() - t0 < 0.5 + 0.5
-        assert err.value.code == "deadline_exceeded"
+        err, took = await _refused(client, client.run("sync", timeout=0.5))
+        assert took < 0.5 + 0.5
+        assert err.code == "deadline_exceeded"
         await asyncio.wait_for(fake.hung_up.wait(), 1.0)
 
 
@@ -163,14 +173,9 @@ async def test_init_ends_by_its_deadline_when_envd_trickles_the_answer(
 
     async with HostileEnvd(trickle) as fake:
         client = EnvdClient(fake.url)
-        t0 = time.monotonic()
-        try:
-            with pytest.raises(EnvdError) as err:
-                await _guarded(client.init(access_token="tok", env_vars={}))
-        finally:
-            await client.aclose()
-        assert time.monotonic() - t0 < 0.5 + 0.5
-        assert err.value.code == "deadline_exceeded"
+        err, took = await _refused(client, client.init(access_token="tok", env_vars={}))
+        assert took < 0.5 + 0.5
+        assert err.code == "deadline_exceeded"
         assert client.token is None  # a token is only taken once envd accepted it
         await asyncio.wait_for(fake.hung_up.wait(), 1.0)
 
@@ -187,12 +192,8 @@ async def test_an_endless_plain_body_is_cut_at_its_cap() -> None:
 
     async with HostileEnvd(endless) as fake:
         client = EnvdClient(fake.url)
-        try:
-            with pytest.raises(EnvdError) as err:
-                await _guarded(client.metrics())
-        finally:
-            await client.aclose()
-        assert err.value.code == "resource_exhausted"
+        err, _ = await _refused(client, client.metrics())
+        assert err.code == "resource_exhausted"
         assert fake.sent < 16 << 20
         await asyncio.wait_for(fake.hung_up.wait(), 1.0)
 
@@ -208,12 +209,8 @@ async def test_metrics_ends_by_its_deadline_when_envd_trickles(
 
     async with HostileEnvd(trickle) as fake:
         client = EnvdClient(fake.url)
-        try:
-            with pytest.raises(EnvdError) as err:
-                await _guarded(client.metrics())
-        finally:
-            await client.aclose()
-        assert err.value.code == "deadline_exceeded"
+        err, _ = await _refused(client, client.metrics())
+        assert err.code == "deadline_exceeded"
 
 
 async def test_wait_healthy_gives_up_on_a_trickling_health_check() -> None:
@@ -223,13 +220,8 @@ async def test_wait_healthy_gives_up_on_a_trickling_health_check() -> None:
 
     async with HostileEnvd(trickle) as fake:
         client = EnvdClient(fake.url)
-        t0 = time.monotonic()
-        try:
-            with pytest.raises(EnvdError):
-                await _guarded(client.wait_healthy(1.0))
-        finally:
-            await client.aclose()
-        assert time.monotonic() - t0 < 1.0 + 1.0
+        _, took = await _refused(client, client.wait_healthy(1.0))
+        assert took < 1.0 + 1.0
 
 
 async def test_many_envelopes_in_one_chunk_are_read_in_linear_time() -> None:
@@ -310,21 +302,11 @@ async def test_run_keeps_a_bounded_part_of_a_flood_of_output(
 async def test_start_background_gives_up_when_no_start_event_comes(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(envd_module, "START_EVENT_TIMEOUT_S", 0.5, raising=False)
-
-    async def trickle(writer: asyncio.StreamWriter) -> None:
-        writer.write(_STREAM_HEAD)
-        await _trickle_forever(writer, envelope({"event": {"keepalive": {}}}))
-
-    async with HostileEnvd(trickle) as fake:
+    async with HostileEnvd(_keepalives_forever) as fake:
         client = EnvdClient(fake.url)
-        t0 = time.monotonic()
-        try:
-            with pytest.raises(EnvdError) as err:
-                await _guarded(client.start_background("sleep infinity"))
-        finally:
-            await client.aclose()
-        assert time.monotonic() - t0 < 0.5 + 0.5
-        assert err.value.code == "deadline_exceeded" and "start event" in err.value.message
+        err, took = await _refused(client, client.start_background("sleep infinity"))
+        assert took < 0.5 + 0.5
+        assert err.code == "deadline_exceeded" and "start event" in err.message
 
 
 async def test_an_unlimited_stream_ends_when_envd_falls_silent(
@@ -344,10 +326,6 @@ async def test_an_unlimited_stream_ends_when_envd_falls_silent(
                                             stdin=None):
                 kinds.append(event.kind)
 
-        try:
-            with pytest.raises(EnvdError) as err:
-                await _guarded(follow())
-        finally:
-            await client.aclose()
+        err, _ = await _refused(client, follow())
         assert kinds == ["start"]
-        assert err.value.code == "deadline_exceeded" and "keepalive" in err.value.message
+        assert err.code == "deadline_exceeded" and "keepalive" in err.message
