@@ -25,6 +25,7 @@ import pytest
 from aenv.config import Settings
 from aenv.envd import ENVD_PORT
 from aenv.network import NetworkSlot, SlotPool
+from aenv.runtime import VMLimits
 from aenv.runtime import workdir as wd
 from aenv.runtime.base import Drive, VMSpec
 from aenv.runtime.qemu import QemuRuntime, QemuVM
@@ -34,6 +35,7 @@ from tests.fake_control_plane import FakeControlPlane
 
 PREFIX = "aenvrt"
 VM_PREFIX = "rt-"  # working directories of this suite's VMs: <vms_dir>/rt-<name>
+GUEST_MIB = 512  # the guest RAM boot_guest gives every guest
 
 
 def vm_host_ready() -> str | None:
@@ -157,8 +159,10 @@ class Guest:
                               sandbox_url=self.url, domain="localhost")
 
 
-async def boot_guest(name: str, settings: Settings, kernel, image, pool: SlotPool) -> Guest:
-    """Boot ``image`` in a fresh slot and wait for envd; the caller must ``destroy_guest``."""
+async def boot_guest(name: str, settings: Settings, kernel, image, pool: SlotPool,
+                     limits: VMLimits | None = None) -> Guest:
+    """Boot ``image`` in a fresh slot and wait for envd; the caller must ``destroy_guest``.
+    ``limits``: the VM's ``VMSpec.limits`` (None: derived from its size)."""
     from aenv.guest.bootargs import guest_boot_args
 
     slot = await asyncio.to_thread(pool.acquire)
@@ -168,10 +172,10 @@ async def boot_guest(name: str, settings: Settings, kernel, image, pool: SlotPoo
         disk = create_disk(image.path, workdir)
         spec = VMSpec(
             vm_id=name, workdir=workdir, kernel=kernel.vmlinux, initrd=kernel.initrd,
-            boot_args=guest_boot_args(kernel), memory_mib=512,
+            boot_args=guest_boot_args(kernel), memory_mib=GUEST_MIB,
             drives=(Drive("rootfs", disk.path, format=disk.format),),
             tap=slot.tap_name, netns=slot.netns, mac=slot.guest_mac,
-            memory_file=wd.default_memory_file(name, workdir, PREFIX),
+            memory_file=wd.default_memory_file(name, workdir, PREFIX), limits=limits,
         )
         vm, phases = await boot_until_ready(QemuRuntime(), spec, Guest.envd_url(slot.host_ip))
         guest = Guest(vm=vm, slot=slot, disk=disk, phases=phases, token=secrets.token_hex(16))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import secrets
 import stat
 import subprocess
 import time
@@ -26,14 +25,10 @@ import pytest
 from aenv.runtime import VMLimits
 from aenv.runtime import confine as cf
 from aenv.runtime import workdir as wd
-from aenv.runtime.base import Drive, VMSpec
 from aenv.runtime.qemu import QemuRuntime
-from aenv.runtime.ready import boot_until_ready
 from aenv.storage import snapshots
-from aenv.storage.disks import create_disk
-from tests.fake_control_plane import FakeControlPlane
 from tests.runtime.conftest import (
-    PREFIX,
+    GUEST_MIB,
     VM_PREFIX,
     Guest,
     boot_guest,
@@ -43,7 +38,6 @@ from tests.runtime.conftest import (
 
 pytestmark = [pytest.mark.vm, pytest.mark.net, pytest.mark.timeout(300)]
 
-GUEST_MIB = 512  # what boot_guest gives every guest
 TIGHT = 448 << 20  # below the tight guest's RAM: its guest can fill it
 # Fill guest RAM in 8 MiB steps until the guest's OOM killer ends it.
 HOG = ("python3 -c 'exec(\"l=[]\\nwhile 1: l.append(bytes([1])*(8<<20))\")' "
@@ -58,33 +52,6 @@ def status(pid: int) -> dict[str, str]:
     return out
 
 
-async def boot_limited(name: str, settings, kernel, image, pool, limits: VMLimits) -> Guest:
-    """``boot_guest`` with ``VMSpec.limits`` set."""
-    from aenv.guest.bootargs import guest_boot_args
-
-    slot = await asyncio.to_thread(pool.acquire)
-    workdir = settings.vms_dir / name
-    vm = None
-    try:
-        disk = create_disk(image.path, workdir)
-        spec = VMSpec(
-            vm_id=name, workdir=workdir, kernel=kernel.vmlinux, initrd=kernel.initrd,
-            boot_args=guest_boot_args(kernel), memory_mib=GUEST_MIB,
-            drives=(Drive("rootfs", disk.path, format=disk.format),),
-            tap=slot.tap_name, netns=slot.netns, mac=slot.guest_mac,
-            memory_file=wd.default_memory_file(name, workdir, PREFIX), limits=limits)
-        vm, phases = await boot_until_ready(QemuRuntime(), spec, Guest.envd_url(slot.host_ip))
-        guest = Guest(vm=vm, slot=slot, disk=disk, phases=phases, token=secrets.token_hex(16))
-        guest.control_plane = FakeControlPlane(guest, guest.token)
-        return guest
-    except BaseException:
-        if vm is not None:
-            await vm.stop()
-        wd.remove(workdir)
-        await asyncio.to_thread(pool.release, slot)
-        raise
-
-
 @pytest.fixture(scope="module")
 async def plain(rt_settings, kernel, base_image, slot_pool) -> AsyncIterator[Guest]:
     g = await boot_guest(VM_PREFIX + "c-plain", rt_settings, kernel, base_image, slot_pool)
@@ -94,8 +61,8 @@ async def plain(rt_settings, kernel, base_image, slot_pool) -> AsyncIterator[Gue
 
 @pytest.fixture(scope="module")
 async def tight(rt_settings, kernel, base_image, slot_pool) -> AsyncIterator[Guest]:
-    g = await boot_limited(VM_PREFIX + "c-tight", rt_settings, kernel, base_image, slot_pool,
-                           VMLimits(memory_bytes=TIGHT))
+    g = await boot_guest(VM_PREFIX + "c-tight", rt_settings, kernel, base_image, slot_pool,
+                         limits=VMLimits(memory_bytes=TIGHT))
     yield g
     await destroy_guest(g, slot_pool)
 

@@ -22,6 +22,7 @@ import pytest
 from aenv.runtime.qemu import QemuRuntime
 from aenv.storage import snapshots
 from tests.runtime.conftest import (
+    GUEST_MIB,
     VM_PREFIX,
     Guest,
     boot_guest,
@@ -34,7 +35,7 @@ pytestmark = [pytest.mark.vm, pytest.mark.net, pytest.mark.timeout(300)]
 COUNTER = ("i=0; while :; do i=$((i+1)); echo $i > /tmp/counter.new; "
            "mv /tmp/counter.new /tmp/counter; sleep 0.2; done")
 BEFORE = "/home/user/before-pause.txt"
-GUEST_RAM = 512 << 20  # what boot_guest gives every guest
+GUEST_RAM = GUEST_MIB << 20
 
 
 def counter(guest: Guest) -> int:
