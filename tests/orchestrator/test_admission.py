@@ -11,18 +11,12 @@ import pytest
 from aenv.orchestrator.admission import Budget
 from aenv.orchestrator.errors import InsufficientStorage, InvalidRequest, LimitReached
 from aenv.orchestrator.service import CreateOptions, Limits, Orchestrator
-from aenv.store import Database, SandboxStore, TemplateRecord, TemplateStore
-from tests.orchestrator.test_orchestrator import FakeMachines
+from tests.orchestrator.test_orchestrator import FakeMachines, stores_with_base
 
 
 @pytest.fixture
 def world():
-    db = Database(":memory:")
-    sandboxes, templates = SandboxStore(db), TemplateStore(db)
-    now = time.time()
-    templates.insert(TemplateRecord(id="base", kind="template", build_id="b", status="ready",
-                                    cpu_count=1, memory_mb=1024, disk_size_mb=1024,
-                                    created_at=now, updated_at=now, names=["base"]))
+    _, sandboxes, templates = stores_with_base(memory_mb=1024)
     machines = FakeMachines()
     # 2 cores x 4 = 8 vCPUs; 4096 MiB x 1 = 4096 MiB.
     budget = Budget(cpu_overcommit=4, memory_overcommit=1, disk_reserve_mb=100,

@@ -24,7 +24,8 @@ from aenv.runtime.base import SnapshotInfo
 from aenv.storage import durable, snapshot_store
 from aenv.storage import snapshots as snap
 from aenv.storage.disks import Disk
-from aenv.store import Database, SandboxRecord, SandboxStore, TemplateRecord, TemplateStore
+from aenv.store import SandboxRecord
+from tests.orchestrator.test_orchestrator import stores_with_base
 
 MEMORY = 1 << 20
 
@@ -85,12 +86,7 @@ def node(tmp_path):
     settings = Settings(home=tmp_path / "home", name_prefix="aenvtst")
     machines = NodeMachines(settings)
     machines._release = lambda slot: None  # no real slot behind FakeSlot
-    db = Database(":memory:")
-    sandboxes, templates = SandboxStore(db), TemplateStore(db)
-    now = time.time()
-    templates.insert(TemplateRecord(id="base", kind="template", build_id="b", status="ready",
-                                    cpu_count=1, memory_mb=256, disk_size_mb=1024,
-                                    created_at=now, updated_at=now, names=["base"]))
+    db, sandboxes, templates = stores_with_base()
     orch = Orchestrator(sandboxes, templates, machines)
     yield orch, machines, settings
     db.close()

@@ -106,14 +106,21 @@ class FakeMachines:
         return set()
 
 
-@pytest.fixture
-def world():
+def stores_with_base(memory_mb: int = 256) -> tuple[Database, SandboxStore, TemplateStore]:
+    """An in-memory database whose template store holds a ready ``base`` (1 vCPU,
+    ``memory_mb``, 1 GiB disk): the database, its sandbox store and its template store."""
     db = Database(":memory:")
     sandboxes, templates = SandboxStore(db), TemplateStore(db)
     now = time.time()
     templates.insert(TemplateRecord(id="base", kind="template", build_id="b", status="ready",
-                                    cpu_count=1, memory_mb=256, disk_size_mb=1024,
+                                    cpu_count=1, memory_mb=memory_mb, disk_size_mb=1024,
                                     created_at=now, updated_at=now, names=["base"]))
+    return db, sandboxes, templates
+
+
+@pytest.fixture
+def world():
+    _, sandboxes, templates = stores_with_base()
     machines = FakeMachines(delay=0.05)
     return Orchestrator(sandboxes, templates, machines, limits=Limits(max_sandboxes=3,
                                                                       max_starting=2)), machines
