@@ -9,16 +9,12 @@ records every request line it receives.
 from __future__ import annotations
 
 import asyncio
-import random
 from collections.abc import AsyncIterator
 
 import pytest
-import uvicorn
 
-from aenv.proxy import ProxyRouter, Route, RouteTable
-from aenv.proxy.front import Front
 from aenv.proxy.router import ENVD_PORT
-from tests.conftest import free_port
+from tests.proxy.helpers import listen_on_free_loopback, serving_front
 
 USER_PORT = 3000
 
@@ -32,17 +28,11 @@ class FakeUpstream:
         self.host = ""
 
     async def start(self) -> None:
-        for _ in range(20):  # a loopback address nobody else in the test run uses
-            host = "127." + ".".join(str(random.randint(100, 250)) for _ in range(3))
-            try:
-                for port in (ENVD_PORT, USER_PORT):
-                    self.servers.append(await asyncio.start_server(self._serve, host, port))
-            except OSError:
-                await self.close()
-                continue
-            self.host = host
-            return
-        raise RuntimeError("no free loopback address for the fake upstream")
+        async def listen(host: str) -> None:
+            for port in (ENVD_PORT, USER_PORT):
+                self.servers.append(await asyncio.start_server(self._serve, host, port))
+
+        self.host = await listen_on_free_loopback(listen, self.close, "the fake upstream")
 
     async def close(self) -> None:
         for s in self.servers:
@@ -65,37 +55,14 @@ class FakeUpstream:
         writer.close()
 
 
-async def _api(scope, receive, send) -> None:
-    await send({"type": "http.response.start", "status": 418, "headers": []})
-    await send({"type": "http.response.body", "body": b"api"})
-
-
-async def _no_sandbox(*_: object) -> str | None:
-    return None
-
-
 @pytest.fixture(params=["h11", "httptools"])
 async def proxy(request) -> AsyncIterator[tuple[int, FakeUpstream]]:
     upstream = FakeUpstream()
     await upstream.start()
-
-    async def lookup(sandbox_id: str) -> Route | None:
-        return Route(sandbox_id, upstream.host, "gen-1", "tok", None)
-
-    router = ProxyRouter(RouteTable(lookup))
-    app = Front(_api, router, _no_sandbox, _no_sandbox)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, http=request.param,
-                                           log_level="warning", lifespan="off"))
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.01)
     try:
-        yield port, upstream
+        async with serving_front(upstream.host, request.param, log_level="warning") as (port, _):
+            yield port, upstream
     finally:
-        server.should_exit = True
-        await task
-        await router.close()
         await upstream.close()
 
 

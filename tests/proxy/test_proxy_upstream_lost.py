@@ -16,20 +16,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import random
 import socket
 import struct
 from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-import uvicorn
 import websockets
 
-from aenv.proxy import ProxyRouter, Route, RouteTable
-from aenv.proxy.front import Front
+from aenv.proxy import ProxyRouter
 from aenv.proxy.router import ENVD_PORT
-from tests.conftest import free_port
+from tests.proxy.helpers import listen_on_free_loopback, serving_front
 
 SANDBOX = "sbxkilled"
 WS_PORT = 3000
@@ -54,17 +51,11 @@ class MisbehavingEnvd:
         self.closing = asyncio.Event()  # ends the handlers that went silent
 
     async def start(self) -> None:
-        for _ in range(20):  # a loopback address nobody else in the test run uses
-            host = "127." + ".".join(str(random.randint(100, 250)) for _ in range(3))
-            try:
-                self.servers.append(await asyncio.start_server(self._serve, host, ENVD_PORT))
-                self.servers.append(await websockets.serve(self._ws, host, WS_PORT))
-            except OSError:
-                await self.close()
-                continue
-            self.host = host
-            return
-        raise RuntimeError("no free loopback address for the fake envd")
+        async def listen(host: str) -> None:
+            self.servers.append(await asyncio.start_server(self._serve, host, ENVD_PORT))
+            self.servers.append(await websockets.serve(self._ws, host, WS_PORT))
+
+        self.host = await listen_on_free_loopback(listen, self.close, "the fake envd")
 
     async def close(self) -> None:
         self.closing.set()
@@ -105,38 +96,15 @@ def _reset(writer: asyncio.StreamWriter) -> None:
     writer.transport.abort()
 
 
-async def _api(scope, receive, send) -> None:
-    await send({"type": "http.response.start", "status": 418, "headers": []})
-    await send({"type": "http.response.body", "body": b"api"})
-
-
-async def _no_sandbox(*_: object) -> str | None:
-    return None
-
-
 @pytest.fixture(params=["h11", "httptools"])
 async def proxy(request) -> AsyncIterator[tuple[int, MisbehavingEnvd, ProxyRouter]]:
     envd = MisbehavingEnvd()
     await envd.start()
-
-    async def lookup(sandbox_id: str) -> Route | None:
-        return Route(sandbox_id, envd.host, "gen-1", "tok", None)
-
-    router = ProxyRouter(RouteTable(lookup))
-    port = free_port()
-    # log_config=None: uvicorn's records reach the root logger, so caplog sees them.
-    server = uvicorn.Server(uvicorn.Config(
-        Front(_api, router, _no_sandbox, _no_sandbox), host="127.0.0.1", port=port,
-        http=request.param, log_config=None, lifespan="off"))
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.01)
     try:
-        yield port, envd, router
+        # log_config=None: uvicorn's records reach the root logger, so caplog sees them.
+        async with serving_front(envd.host, request.param, log_config=None) as (port, router):
+            yield port, envd, router
     finally:
-        server.should_exit = True
-        await task
-        await router.close()
         await envd.close()
 
 
