@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -67,6 +68,33 @@ def stop_process(proc: subprocess.Popen, grace: float = 5.0) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
+
+
+def run_server_to_end(env: dict[str, str], port: int, timeout: float
+                      ) -> tuple[subprocess.CompletedProcess, float, bool]:
+    """Run ``aenv server --port PORT`` (its own process group) until it exits: its result,
+    the seconds it took, and whether it was still running after ``timeout`` and had to be
+    stopped (SIGTERM to its group, SIGKILL 30 s later; what it wrote is kept)."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        [PYTHON, "-m", "aenv.cli.main", "server", "--port", str(port)], cwd=ROOT,
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    stopped = False
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stopped = True
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+    return (subprocess.CompletedProcess(proc.args, proc.returncode, out, err),
+            time.monotonic() - t0, stopped)
 
 
 class Envd:

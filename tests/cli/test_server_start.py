@@ -8,8 +8,6 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,7 @@ import pytest
 from aenv.config import Settings
 from aenv.instance_lock import claim_instance
 from aenv.network import cleanup_leftovers
-from tests.conftest import ROOT, free_port, stop_process
+from tests.conftest import free_port, run_server_to_end
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="aenv server needs root")
 
@@ -31,19 +29,11 @@ def _env(home: Path, **extra: str) -> dict[str, str]:
 
 def _server(env: dict[str, str], port: int) -> tuple[subprocess.CompletedProcess, float]:
     """Run ``aenv server``; one that starts after all is stopped, VMs and slots included."""
-    t0 = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "aenv.cli.main", "server", "--port", str(port)], cwd=ROOT,
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        stop_process(proc)
+    r, took, stopped = run_server_to_end(env, port, timeout=60)
+    if stopped:
         cleanup_leftovers(Settings(home=Path(env["AENV_HOME"]), name_prefix=PREFIX))
         pytest.fail("aenv server did not refuse to start")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), \
-        time.monotonic() - t0
+    return r, took
 
 
 def _files(home: Path) -> list[str]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +15,7 @@ import pytest
 from e2b import Sandbox
 
 from aenv.network import cleanup_leftovers
-from tests.conftest import ROOT, free_port
+from tests.conftest import free_port, run_server_to_end
 
 from .conftest import ServerProcess, leftovers, sdk_pointed_at, serving
 
@@ -66,22 +65,8 @@ def first(tmp_path_factory) -> Iterator[First]:
 
 def _second(env: dict[str, str], port: int) -> tuple[subprocess.CompletedProcess, float]:
     """Run ``aenv server`` to its end (killed, with its group, if it serves)."""
-    t0 = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "aenv.cli.main", "server", "--port", str(port)], cwd=ROOT,
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            out, err = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), \
-        time.monotonic() - t0
+    r, took, _ = run_server_to_end(env, port, timeout=120)
+    return r, took
 
 
 def _assert_untouched(first: First, before: dict[str, object]) -> None:
