@@ -28,6 +28,7 @@ from aenv.network import NetworkSlot, SlotPool
 from aenv.runtime import VMLimits
 from aenv.runtime import workdir as wd
 from aenv.runtime.base import Drive, VMSpec
+from aenv.runtime.cgroups import Hierarchies
 from aenv.runtime.qemu import QemuRuntime, QemuVM
 from aenv.runtime.ready import BootPhases, boot_until_ready
 from aenv.storage.disks import Disk, create_disk
@@ -157,6 +158,19 @@ class Guest:
         assert self.control_plane is not None
         return Sandbox.create("base", api_key="e2b_" + "0" * 40, api_url=self.control_plane.url,
                               sandbox_url=self.url, domain="localhost")
+
+
+def remove_cgroups(hierarchies: Hierarchies) -> None:
+    """Kill and remove every VM cgroup under ``hierarchies``' parent, then the parent
+    directories that are left empty (a test's cgroup teardown)."""
+    for cg in hierarchies.existing():
+        cg.kill()
+        cg.remove()
+    for parent in hierarchies.parent_dirs():
+        try:
+            parent.rmdir()
+        except OSError:
+            pass
 
 
 async def boot_guest(name: str, settings: Settings, kernel, image, pool: SlotPool,

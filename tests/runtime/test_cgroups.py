@@ -29,6 +29,7 @@ from aenv.runtime.cgroups import (
     sweep,
 )
 from aenv.runtime.confine import Jail
+from tests.runtime.conftest import remove_cgroups
 
 LIMITS = Limits(memory_max=768 << 20, pids_max=160, cpu_quota_us=125_000, io_weight=200)
 
@@ -149,14 +150,7 @@ def host(request) -> Hierarchies:
     if not h.hierarchies:
         pytest.skip("no memory/cpu/pids/io controller on this host")
     yield h
-    for cg in h.existing():
-        cg.kill()
-        cg.remove()
-    for parent in h.parent_dirs():
-        try:
-            parent.rmdir()
-        except OSError:
-            pass
+    remove_cgroups(h)
 
 
 def spawn_in(cg: VMCgroup, *argv: str) -> subprocess.Popen:

@@ -37,6 +37,7 @@ from aenv.runtime.firecracker import FirecrackerRuntime, FirecrackerVM
 from aenv.runtime.kvm import AccelChoice
 from aenv.runtime.vmm_process import NotOurProcessError, VMMProcess
 from aenv.storage import snapshots
+from tests.runtime.conftest import remove_cgroups
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the jailer runs as root")
 
@@ -119,16 +120,7 @@ async def vms(runtime) -> AsyncIterator[list[FirecrackerVM]]:
         if vm.is_alive():
             await vm.stop(timeout=1)
         await vm.stop(timeout=1)  # releases the jail of a VMM that died
-    for h in {tuple(h.parent_dirs()): h for h in (
-            runtime.confinement.hierarchies(at_root=True),)}.values():
-        for cg in h.existing():
-            cg.kill()
-            cg.remove()
-        for parent in h.parent_dirs():
-            try:
-                parent.rmdir()
-            except OSError:
-                pass
+    remove_cgroups(runtime.confinement.hierarchies(at_root=True))
 
 
 def requests(record: Path, pid: int) -> list[dict]:
