@@ -75,32 +75,19 @@ class TlsServerProcess(ServerProcess):
         ctx.check_hostname = False
         return ctx
 
-    def start(self, timeout: float = 600) -> None:
-        self.home.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "aenv.cli.main", "server", "--port", str(self.port)],
-                cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.log_tail()}")
-            if self.ca.exists():  # written whole (renamed into place) or not at all
-                try:
-                    r = httpx.get(self.url + "/health", verify=self._verify(), timeout=1)
-                    if r.status_code == 204:
-                        return
-                except httpx.HTTPError:
-                    pass
-            else:  # a server that ignored the TLS options says so here, not in 10 minutes
-                try:
-                    httpx.get(f"http://{SERVER_ADDR}:{self.port}/health", timeout=1)
-                    raise RuntimeError(f"plain HTTP on port {self.port} and no CA at {self.ca}")
-                except httpx.HTTPError:
-                    pass
-            time.sleep(0.2)
-        raise TimeoutError(f"server did not start: {self.log_tail()}")
+    def answers(self) -> bool:
+        if self.ca.exists():  # written whole (renamed into place) or not at all
+            try:
+                r = httpx.get(self.url + "/health", verify=self._verify(), timeout=1)
+                return r.status_code == 204
+            except httpx.HTTPError:
+                return False
+        # a server that ignored the TLS options says so here, not in 10 minutes
+        try:
+            httpx.get(f"http://{SERVER_ADDR}:{self.port}/health", timeout=1)
+        except httpx.HTTPError:
+            return False
+        raise RuntimeError(f"plain HTTP on port {self.port} and no CA at {self.ca}")
 
     def api(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"X-API-KEY": self.api_key},
