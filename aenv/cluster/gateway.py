@@ -7,8 +7,9 @@ One listener, as a node has (``aenv.proxy.front.Front`` decides per request):
   is streamed by ``aenv.proxy.ProxyRouter`` (HTTP and WebSocket, the node's own code) to
   the node that holds the sandbox, per the Redis index; the node routes it on to the VM.
   Sandboxes unknown to the index, or on a node past its heartbeat TTL, answer E2B's 502
-  "The sandbox was not found". Signed ``/files`` URLs and token-only envd calls need the
-  sandbox's token, which a gateway does not have: they are not routed (yet).
+  "The sandbox was not found"; a route found is reused for ``ROUTE_CACHE_S`` (1 s).
+  Signed ``/files`` URLs and token-only envd calls need the sandbox's token, which a
+  gateway does not have: they are not routed (yet).
 - REST, after the client's ``X-API-KEY`` is checked against the gateway's key:
   ``POST /sandboxes`` (and ``/v2/sandboxes``) goes to the best node
   (``scheduling.candidates``), then to the next one when a node answers 429 or 5xx or
@@ -35,6 +36,7 @@ import base64
 import json
 import logging
 import re
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from datetime import datetime
@@ -63,6 +65,10 @@ CONNECT_TIMEOUT_S = 2.0
 CREATE_TIMEOUT_S = 120.0     # a create on a busy TCG node can take long; then the next node
 CALL_TIMEOUT_S = 300.0       # pause/fork/connect may take a while under TCG
 LIST_TIMEOUT_S = 10.0
+# Sandbox traffic reuses a route this long before asking Redis again (two round trips):
+# a sandbox gone meanwhile gets the node's own 502, a node gone its connection error.
+ROUTE_CACHE_S = 1.0
+ROUTE_CACHE_SIZE = 100_000
 _SANDBOX = re.compile(r"^(?:/v2)?/sandboxes/([^/]+)(?:/.*)?$")
 _CREATES = ("/sandboxes", "/v2/sandboxes")
 _NODE = re.compile(r"^/nodes/([^/]+)/?$")
@@ -120,6 +126,7 @@ class Gateway:
                                  follow_redirects=False)
         self.in_flight: Counter[str] = Counter()   # creates this gateway has sent, per node
         self.proxy = ProxyRouter(RouteTable(self._route))
+        self._routes: dict[str, tuple[float, Route]] = {}  # sandbox id -> (until, route)
         rest = ApiKeyMiddleware(self._rest, api_key)
         self.app: ASGIApp = _Lifespan(Front(rest, self.proxy, _no_signed, _no_token),
                                       self.close)
@@ -132,6 +139,20 @@ class Gateway:
     # -- data plane
 
     async def _route(self, sandbox_id: str) -> Route | None:
+        now = time.monotonic()
+        cached = self._routes.get(sandbox_id)
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        route = await self._lookup(sandbox_id)
+        if route is not None:  # misses are not kept: a new sandbox is routed at once
+            if len(self._routes) >= ROUTE_CACHE_SIZE:
+                self._routes = {k: v for k, v in self._routes.items() if v[0] > now}
+                if len(self._routes) >= ROUTE_CACHE_SIZE:
+                    self._routes.clear()
+            self._routes[sandbox_id] = (now + ROUTE_CACHE_S, route)
+        return route
+
+    async def _lookup(self, sandbox_id: str) -> Route | None:
         try:
             owner = await self.registry.locate(sandbox_id)
             node = await self.registry.node(owner) if owner else None
