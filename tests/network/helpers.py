@@ -24,7 +24,7 @@ from pathlib import Path
 from pyroute2 import IPRoute
 
 from aenv.config import Settings
-from aenv.network import GUEST_IP, GUEST_MAC, TAP_IP, NetworkSlot
+from aenv.network import GUEST_IP, GUEST_MAC, TAP_IP, EgressPolicy, NetworkSlot
 from aenv.network import netns as ns
 
 _K = os.getpid() % 100
@@ -50,6 +50,8 @@ CTR_IP = f"172.31.{_K}.2"
 CTR_GATEWAY_IP = f"172.31.{_K}.1"
 REMOTE_IP = f"203.0.113.{_K + 101}"
 METADATA_IP = "169.254.169.254"
+
+OPEN = EgressPolicy.build(allow_out=["0.0.0.0/0"])  # a slot whose guest may reach anything
 
 _TUNSETIFF = 0x400454CA
 _IFF_TAP = 0x0002
@@ -79,18 +81,39 @@ def ns_socket(netns: str | None, kind: int = socket.SOCK_STREAM,
     return make() if netns is None else ns.run_in(netns, make)
 
 
-class Listener:
+class Server:
+    """A TCP listener on ``ip``:``port`` in ``netns`` (None: the host) whose ``_serve`` runs in
+    a thread; ``close`` stops it."""
+
+    backlog = 16
+
+    def __init__(self, netns: str | None, ip: str, port: int) -> None:
+        self.sock = ns_socket(netns)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((ip, port))
+        self.sock.listen(self.backlog)
+        self.port = self.sock.getsockname()[1]
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        self._thread.join(2)
+
+
+class Listener(Server):
     """TCP server answering every connection with ``<tag> <peer address>``."""
 
     def __init__(self, netns: str | None, ip: str, port: int, tag: str) -> None:
         self.tag = tag
-        self.sock = ns_socket(netns)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((ip, port))
-        self.sock.listen(16)
-        self.port = self.sock.getsockname()[1]
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
+        super().__init__(netns, ip, port)
 
     def _serve(self) -> None:
         while True:
@@ -100,14 +123,6 @@ class Listener:
                 return
             with conn:
                 conn.sendall(f"{self.tag} {peer[0]}\n".encode())
-
-    def close(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
-        self._thread.join(2)
 
 
 def connect(netns: str | None, ip: str, port: int, timeout: float = 3.0,

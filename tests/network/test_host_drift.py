@@ -6,28 +6,26 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import threading
 import time
 
 import pytest
 from pyroute2 import IPRoute
 
-from aenv.network import EgressPolicy, HostTableError, NetworkError, host, nft
+from aenv.network import HostTableError, NetworkError, host, nft
 from aenv.network import netns as ns
 
 from .helpers import (
     CTR_GATEWAY_IP,
     METADATA_IP,
+    OPEN,
     Listener,
+    Server,
     blocked,
     connect,
     ns_socket,
 )
 
 pytestmark = pytest.mark.net
-
-OPEN = EgressPolicy.build(allow_out=["0.0.0.0/0"])
-
 
 @pytest.fixture
 def no_background_checks(monkeypatch):
@@ -44,19 +42,15 @@ def _has_host_table(table: str) -> bool:
     return ("inet", table) in nft.list_tables()
 
 
-class Sink:
+class Sink(Server):
     """A host service on ``ip`` that keeps its connection open and records what arrives."""
 
+    backlog = 4
+
     def __init__(self, ip: str) -> None:
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((ip, 0))
-        self.sock.listen(4)
-        self.port = self.sock.getsockname()[1]
         self.received = b""
         self._conns: list[socket.socket] = []
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
+        super().__init__(None, ip, 0)
 
     def _serve(self) -> None:
         try:
@@ -77,12 +71,7 @@ class Sink:
             except OSError:
                 pass
             c.close()
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
-        self._thread.join(2)
+        super().close()
 
 
 def test_a_deleted_host_table_is_back_before_the_next_acquire_returns(

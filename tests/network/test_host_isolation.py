@@ -15,6 +15,7 @@ from .helpers import (
     HELPER,
     INET_PEER_IP,
     METADATA_IP,
+    OPEN,
     REMOTE_IP,
     ContainerHost,
     FakeGuest,
@@ -23,9 +24,6 @@ from .helpers import (
 )
 
 pytestmark = pytest.mark.net
-
-OPEN = EgressPolicy.build(allow_out=["0.0.0.0/0"])
-
 
 @pytest.fixture
 def published_port(host_address, internet) -> Iterator[int]:
