@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,23 +89,36 @@ def local_registry(root: Path, *, credentials: tuple[str, str] | None = None
             proc.wait()
 
 
-def busybox_layout(cache_dir: Path) -> Path:
-    """The busybox test image as an OCI layout (made once per cache dir)."""
-    final = cache_dir / "test-images" / "busybox-oci"
+def _umoci_layout(final: Path, fill: Callable[[Path, Path], None], config: list[str]) -> Path:
+    """The OCI layout ``final``, made once (it is there when its ``index.json`` is): an empty
+    umoci image whose root file system ``fill(work, rootfs)`` fills (``work``: a scratch
+    directory), repacked as one layer and configured with ``config`` (``umoci config``
+    arguments)."""
     if (final / "index.json").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=final.parent) as tmp:
         work = Path(tmp)
-        (deb,) = debian.download([debian.candidate("busybox-static")], cache_dir / "debs")
-        debian.unpack(deb, work / "deb")
         layout, bundle = work / "layout", work / "bundle"
         umoci = ["umoci", "--log", "error"]
         subprocess.run([*umoci, "init", "--layout", str(layout)], check=True)
         subprocess.run([*umoci, "new", "--image", f"{layout}:latest"], check=True)
         subprocess.run([*umoci, "unpack", "--image", f"{layout}:latest", str(bundle)],
                        check=True, capture_output=True)
-        rootfs = bundle / "rootfs"
+        fill(work, bundle / "rootfs")
+        subprocess.run([*umoci, "repack", "--image", f"{layout}:latest", str(bundle)],
+                       check=True)
+        subprocess.run([*umoci, "config", "--image", f"{layout}:latest", *config], check=True)
+        os.replace(layout, final)
+    return final
+
+
+def busybox_layout(cache_dir: Path) -> Path:
+    """The busybox test image as an OCI layout (made once per cache dir)."""
+
+    def fill(work: Path, rootfs: Path) -> None:
+        (deb,) = debian.download([debian.candidate("busybox-static")], cache_dir / "debs")
+        debian.unpack(deb, work / "deb")
         for d in ("bin", "etc", "srv", "tmp", "root"):
             (rootfs / d).mkdir(exist_ok=True)
         shutil.copy2(work / "deb/bin/busybox", rootfs / "bin/busybox")
@@ -117,13 +130,10 @@ def busybox_layout(cache_dir: Path) -> Path:
         (rootfs / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
         (rootfs / "etc/group").write_text("root:x:0:\n")
         (rootfs / "srv/marker").write_text(BUSYBOX_MARKER)
-        subprocess.run([*umoci, "repack", "--image", f"{layout}:latest", str(bundle)],
-                       check=True)
-        config = [f"--config.env={k}={v}" for k, v in BUSYBOX_ENV.items()]
-        subprocess.run([*umoci, "config", "--image", f"{layout}:latest", *config,
-                        f"--config.workingdir={BUSYBOX_WORKDIR}"], check=True)
-        os.replace(layout, final)
-    return final
+
+    return _umoci_layout(cache_dir / "test-images" / "busybox-oci", fill,
+                         [*(f"--config.env={k}={v}" for k, v in BUSYBOX_ENV.items()),
+                          f"--config.workingdir={BUSYBOX_WORKDIR}"])
 
 
 def debian_layout(cache_dir: Path) -> Path:
@@ -132,12 +142,8 @@ def debian_layout(cache_dir: Path) -> Path:
     ``.deb`` files the base image build keeps under ``<cache>/debs`` (the mirror is asked
     for its indexes only, once), trimmed as Debian's ``-slim`` images are (docs, man
     pages, apt lists)."""
-    final = cache_dir / "test-images" / "debian-minbase-oci"
-    if (final / "index.json").is_file():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=final.parent) as tmp:
-        work = Path(tmp)
+
+    def fill(work: Path, rootfs: Path) -> None:
         tree = work / "tree"
         subprocess.run(["debootstrap", "--variant=minbase", "--components=main",
                         f"--cache-dir={cache_dir / 'debs'}", debian.DEBIAN_SUITE, str(tree),
@@ -148,17 +154,8 @@ def debian_layout(cache_dir: Path) -> Path:
                      "var/cache/apt", "var/log"):
             shutil.rmtree(tree / junk, ignore_errors=True)
             (tree / junk).mkdir(parents=True)
-        layout, bundle = work / "layout", work / "bundle"
-        umoci = ["umoci", "--log", "error"]
-        subprocess.run([*umoci, "init", "--layout", str(layout)], check=True)
-        subprocess.run([*umoci, "new", "--image", f"{layout}:latest"], check=True)
-        subprocess.run([*umoci, "unpack", "--image", f"{layout}:latest", str(bundle)],
-                       check=True, capture_output=True)
-        subprocess.run(["cp", "-a", f"{tree}/.", str(bundle / "rootfs")], check=True)
-        subprocess.run([*umoci, "repack", "--image", f"{layout}:latest", str(bundle)],
-                       check=True)
-        config = [f"--config.env={k}={v}" for k, v in DEBIAN_ENV.items()]
-        subprocess.run([*umoci, "config", "--image", f"{layout}:latest", *config,
-                        "--config.cmd=bash"], check=True)
-        os.replace(layout, final)
-    return final
+        subprocess.run(["cp", "-a", f"{tree}/.", str(rootfs)], check=True)
+
+    return _umoci_layout(cache_dir / "test-images" / "debian-minbase-oci", fill,
+                         [*(f"--config.env={k}={v}" for k, v in DEBIAN_ENV.items()),
+                          "--config.cmd=bash"])
