@@ -23,11 +23,17 @@ in a transitional state, no paused record may lack its snapshot, and no build ma
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import hashlib
 import os
 import re
+import shutil
 import signal
+import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -477,3 +483,50 @@ def sweep_after_stop(settings: Settings) -> dict[str, list[str]]:
     if vmms:
         after_stop["vmm_processes_killed"] = [str(pid) for pid in vmms]
     return after_stop
+
+
+def add_server_args(ap: argparse.ArgumentParser, *, net: int, prefix: str) -> None:
+    """The options of ``benchmark_server``: the server's address ranges, name prefix, and
+    where its log is kept."""
+    ap.add_argument("--net", type=int, default=net, help="10.<net>.0.0/24 and 10.<net>.1.0/24")
+    ap.add_argument("--prefix", default=prefix)
+    ap.add_argument("--keep-log", type=Path, default=None,
+                    help="copy the server log here at the end")
+
+
+@contextlib.contextmanager
+def benchmark_server(script: str, args: argparse.Namespace, result: dict[str, Any], *,
+                     restart_crashed: bool = False) -> Iterator[CrashableServer]:
+    """A benchmark's server (``script``: the benchmark's file, for the messages; ``args``:
+    from ``add_server_args``): exits unless root, then a ``CrashableServer`` in a fresh
+    temporary home, started. Afterwards, whatever happened: its sandboxes killed through the
+    API (a server that is down is first started again with ``restart_crashed``, else left),
+    the server stopped, what it left swept into ``result["leftovers_after_stop"]`` (and
+    added to ``result["leak_count"]`` where there is one), its log copied to
+    ``args.keep_log``, its home removed."""
+    if os.geteuid() != 0:
+        sys.exit(f"{script} needs root (network namespaces, VMs)")
+    home = Path(tempfile.mkdtemp(prefix=f"aenv-{Path(script).stem.replace('_', '')}-"))
+    srv = CrashableServer(home, args.net, args.prefix)
+    try:
+        log(f"starting aenv server (prefix {args.prefix}, home {home})")
+        srv.start()
+        yield srv
+    finally:
+        try:
+            if srv.proc is None or srv.proc.poll() is not None:
+                if restart_crashed:
+                    srv.start()  # crashed between a kill and its restart: clean up for real
+                    srv.kill_all()
+            else:
+                srv.kill_all()
+        except Exception as e:
+            log(f"final cleanup through the API: {e}")
+        srv.stop()
+        after_stop = sweep_after_stop(srv.settings)
+        result["leftovers_after_stop"] = after_stop
+        if "leak_count" in result:
+            result["leak_count"] += sum(len(v) for v in after_stop.values())
+        if args.keep_log is not None and srv.log_path.exists():
+            shutil.copy(srv.log_path, args.keep_log)
+        shutil.rmtree(home, ignore_errors=True)

@@ -42,12 +42,9 @@ lost sandboxes, problems with server log excerpts, notes, final audit, host bloc
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import re
-import shutil
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -64,14 +61,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._common import emit, summary
 from benchmarks._server import log
 from benchmarks._soak import (
-    CrashableServer,
     Server,
+    add_server_args,
     audit,
     baseline,
+    benchmark_server,
     log_excerpt,
     log_size,
     sdk_opts,
-    sweep_after_stop,
 )
 
 OPERATIONS = ("create", "pause", "resume", "snapshot", "fork", "template")
@@ -611,34 +608,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--no-calibrate", action="store_true",
                     help=f"kill delays from DEFAULT_TYPICAL_S {DEFAULT_TYPICAL_S}")
-    ap.add_argument("--net", type=int, default=63, help="10.<net>.0.0/24 and 10.<net>.1.0/24")
-    ap.add_argument("--prefix", default="aenvkl")
-    ap.add_argument("--keep-log", type=Path, default=None,
-                    help="copy the server log here at the end")
+    add_server_args(ap, net=63, prefix="aenvkl")
     args = ap.parse_args()
-    if os.geteuid() != 0:
-        sys.exit("kill_loop.py needs root (network namespaces, VMs)")
-    home = Path(tempfile.mkdtemp(prefix="aenv-killloop-"))
-    srv = CrashableServer(home, args.net, args.prefix)
     result: dict[str, Any] = {"benchmark": "kill_loop"}
-    try:
-        log(f"starting aenv server (prefix {args.prefix}, home {home})")
-        srv.start()
+    with benchmark_server("kill_loop.py", args, result, restart_crashed=True) as srv:
         result.update(run_kill_loop(srv, args.kills, seed=args.seed,
                                     calibrate=not args.no_calibrate))
-    finally:
-        try:
-            if srv.proc is None or srv.proc.poll() is not None:
-                srv.start()  # crashed between a kill and its restart: clean up for real
-            srv.kill_all()
-        except Exception as e:
-            log(f"final cleanup through the API: {e}")
-        srv.stop()
-        after_stop = sweep_after_stop(srv.settings)
-        result["leftovers_after_stop"] = after_stop
-        if args.keep_log is not None and srv.log_path.exists():
-            shutil.copy(srv.log_path, args.keep_log)
-        shutil.rmtree(home, ignore_errors=True)
     emit(result)
 
 

@@ -36,11 +36,8 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import os
 import random
-import shutil
 import sys
-import tempfile
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -55,17 +52,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._common import emit, percentile, summary
 from benchmarks._server import log
 from benchmarks._soak import (
-    CrashableServer,
     Server,
     WriterState,
+    add_server_args,
     audit,
     baseline,
+    benchmark_server,
     log_excerpt,
     process_figures,
     read_state,
     sdk_opts,
     start_writer,
-    sweep_after_stop,
 )
 
 T = TypeVar("T")
@@ -396,36 +393,13 @@ def main() -> None:
                     help="stop after this long even if fewer cycles are done")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--audit-every", type=int, default=100)
-    ap.add_argument("--net", type=int, default=61, help="10.<net>.0.0/24 and 10.<net>.1.0/24")
-    ap.add_argument("--prefix", default="aenvsk")
-    ap.add_argument("--keep-log", type=Path, default=None,
-                    help="copy the server log here at the end")
+    add_server_args(ap, net=61, prefix="aenvsk")
     args = ap.parse_args()
-    if os.geteuid() != 0:
-        sys.exit("soak.py needs root (network namespaces, VMs)")
-    home = Path(tempfile.mkdtemp(prefix="aenv-soak-"))
-    srv = CrashableServer(home, args.net, args.prefix)
     result: dict[str, Any] = {"benchmark": "soak", "seed": args.seed}
-    try:
-        log(f"starting aenv server (prefix {args.prefix}, home {home})")
-        srv.start()
+    with benchmark_server("soak.py", args, result) as srv:
         assert srv.proc is not None
         result.update(run_soak(srv, args.cycles, seed=args.seed, minutes=args.minutes,
                                audit_every=args.audit_every, server_pid=srv.proc.pid))
-    finally:
-        try:
-            if srv.proc is not None and srv.proc.poll() is None:
-                srv.kill_all()
-        except Exception as e:
-            log(f"kill_all: {e}")
-        srv.stop()
-        after_stop = sweep_after_stop(srv.settings)
-        result["leftovers_after_stop"] = after_stop
-        if "leak_count" in result:
-            result["leak_count"] += sum(len(v) for v in after_stop.values())
-        if args.keep_log is not None and srv.log_path.exists():
-            shutil.copy(srv.log_path, args.keep_log)
-        shutil.rmtree(home, ignore_errors=True)
     emit(result)
 
 
