@@ -107,20 +107,27 @@ ECHO_HOST = ("import http.server as h\n"
              "h.HTTPServer(('0.0.0.0', 8080), H).serve_forever()\n")
 
 
+def echo_host_through_proxy(sdk, sbx: Sandbox) -> httpx.Response:
+    """Start ``ECHO_HOST`` on the sandbox's port 8080 and ask it through the server's proxy
+    until it answers 200 (20 s at most): the last answer."""
+    sbx.files.write("/tmp/echo_host.py", ECHO_HOST)
+    sbx.commands.run("python3 /tmp/echo_host.py", background=True)
+    headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8080"}
+    with httpx.Client(base_url=sdk.url) as c:
+        for _ in range(100):
+            r = c.get("/", headers=headers)
+            if r.status_code == 200:
+                break
+            time.sleep(0.2)
+    return r
+
+
 def test_mask_request_host_is_the_host_user_ports_see(sdk) -> None:
     """E2B's test_mask_request_host: the in-sandbox server sees the masked Host, with
     ${PORT} replaced; envd's port is not masked (the SDK keeps working)."""
     sbx = Sandbox.create("base", network={"mask_request_host": "custom-host.example.com:${PORT}"})
     try:
-        sbx.files.write("/tmp/echo_host.py", ECHO_HOST)
-        sbx.commands.run("python3 /tmp/echo_host.py", background=True)
-        headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8080"}
-        with httpx.Client(base_url=sdk.url) as c:
-            for _ in range(100):
-                r = c.get("/", headers=headers)
-                if r.status_code == 200:
-                    break
-                time.sleep(0.2)
+        r = echo_host_through_proxy(sdk, sbx)
         assert r.status_code == 200, r.text
         # As E2B's proxy spells it: E2B's test greps the raw request for "Host:".
         assert r.text == "Host: custom-host.example.com:8080"
@@ -136,15 +143,8 @@ def test_only_the_server_reaches_a_sandbox_host_address(sdk) -> None:
 
     sbx = Sandbox.create("base")
     try:
-        sbx.files.write("/tmp/echo_host.py", ECHO_HOST)
-        sbx.commands.run("python3 /tmp/echo_host.py", background=True)
-        headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8080"}
-        with httpx.Client(base_url=sdk.url) as c:
-            for _ in range(100):
-                if c.get("/", headers=headers).status_code == 200:
-                    break
-                time.sleep(0.2)
-            assert c.get("/", headers=headers).status_code == 200  # through the server
+        r = echo_host_through_proxy(sdk, sbx)
+        assert r.status_code == 200, r.text  # through the server
         with sqlite3.connect(sdk.home / "aenv.db") as db:
             (host_ip,) = db.execute("SELECT host_ip FROM sandboxes WHERE id = ?",
                                     (sbx.sandbox_id,)).fetchone()
