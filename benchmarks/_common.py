@@ -13,6 +13,7 @@ it has been seen to vary by 50 % within an hour, which moves every TCG figure wi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -23,9 +24,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import httpx
+
+if TYPE_CHECKING:
+    from aenv.config import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -85,6 +89,17 @@ def emit(result: dict[str, Any]) -> None:
     """Print the benchmark's one JSON object, with ``host`` conditions added."""
     json.dump({**result, "host": host_conditions()}, sys.stdout, indent=2)
     sys.stdout.write("\n")
+
+
+def private_settings(letters: str, net: int, warm_slots: int = 1) -> Settings:
+    """The environment's settings with host objects of this benchmark's own: the name prefix
+    ``letters`` + the last four digits of the pid, 10.<net>.0.0/24 for host addresses and
+    10.<net>.1.0/24 for veths, ``warm_slots`` slots kept made."""
+    from aenv.config import Settings
+
+    return dataclasses.replace(
+        Settings.from_env(), name_prefix=f"{letters}{os.getpid() % 10000:04d}",
+        host_cidr=f"10.{net}.0.0/24", veth_cidr=f"10.{net}.1.0/24", warm_slots=warm_slots)
 
 
 def free_port() -> int:

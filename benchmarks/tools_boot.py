@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import os
 import statistics
 import sys
@@ -28,7 +27,7 @@ from aenv.runtime.kvm import host_accel
 from aenv.storage.images import Image, build_image, ensure_base_image, find_image
 from aenv.storage.kernel import ensure_kernel
 from aenv.storage.tools_drive import ensure_tools_drive
-from benchmarks._common import emit
+from benchmarks._common import emit, private_settings
 from benchmarks.vm_boot import boot_once
 
 PHASES = ("vmm_to_qmp", "kernel_to_init", "init_to_envd_exec", "envd_exec_to_health", "total")
@@ -55,10 +54,7 @@ async def main() -> None:
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("tools_boot.py needs root (network namespaces and taps)")
-    settings = dataclasses.replace(
-        Settings.from_env(), name_prefix=f"at{os.getpid() % 10000:04d}",
-        host_cidr="10.96.0.0/24", veth_cidr="10.96.1.0/24", warm_slots=1,
-    )
+    settings = private_settings("at", 96)
     kernel = ensure_kernel(settings, "cloud")
     images = {"base": (ensure_base_image(settings, kernel_flavor="cloud"), None)}
     drive = ensure_tools_drive(settings)

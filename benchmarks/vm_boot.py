@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import os
 import statistics
 import subprocess
@@ -44,7 +43,7 @@ from aenv.runtime.ready import BootPhases, boot_until_ready
 from aenv.storage.disks import create_disk
 from aenv.storage.images import ensure_base_image
 from aenv.storage.kernel import ensure_kernel, list_kernels
-from benchmarks._common import emit
+from benchmarks._common import emit, private_settings
 
 PHASES = ("vmm_to_qmp", "kernel_to_init", "init_to_envd_exec", "envd_exec_to_health", "total")
 GOALS_S = {"cloud": 3.0, "small": 2.0}  # boot to envd ready under TCG (issue 3)
@@ -175,10 +174,7 @@ async def main() -> None:
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("vm_boot.py needs root (network namespaces and taps)")
-    settings = dataclasses.replace(
-        Settings.from_env(), name_prefix=f"ab{os.getpid() % 10000:04d}",
-        host_cidr="10.98.0.0/24", veth_cidr="10.98.1.0/24", warm_slots=1,
-    )
+    settings = private_settings("ab", 98)
     flavors = args.flavor or ["cloud", *sorted(
         {k.flavor for k in list_kernels(settings)} - {"cloud"})]
     accel = host_accel()

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import os
 import secrets
@@ -54,7 +53,7 @@ from aenv.storage import snapshots
 from aenv.storage.disks import create_disk
 from aenv.storage.images import ensure_base_image
 from aenv.storage.kernel import ensure_kernel
-from benchmarks._common import emit, summary
+from benchmarks._common import emit, private_settings, summary
 
 GOALS = {"resume_healthy_p50_ms": 250, "pause_total_p50_ms": 300, "fork16_all_ready_p50_ms": 3000,
          "restore_ratio_2g_256m": 1.3, "marginal_anonymous_mib_per_child": 50}
@@ -300,9 +299,7 @@ def _mem_available() -> float:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    settings = dataclasses.replace(
-        Settings.from_env(), name_prefix=f"sb{os.getpid() % 10000:04d}",
-        host_cidr="10.97.0.0/24", veth_cidr="10.97.1.0/24", warm_slots=0)
+    settings = private_settings("sb", 97, warm_slots=0)
     kernel = ensure_kernel(settings, args.flavor)
     image = ensure_base_image(settings, kernel_flavor=kernel.flavor)
     root = settings.home / "bench-snapshots" / settings.name_prefix
