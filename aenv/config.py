@@ -445,6 +445,10 @@ class Settings(_Declared):
         "AENV_CLUSTER_SECRET", None, secret=True, check=_cluster_secret,
         doc="shared by gateways and nodes (32+ printable characters): gateway-to-node "
             "calls carry it, and a node in a cluster accepts it instead of its API key")
+    drain_timeout: float = setting(
+        "AENV_DRAIN_TIMEOUT", 30.0, check=_at_least(0),
+        doc="in a cluster, seconds a node told to stop (SIGTERM) stays up `draining` (no "
+            "new creates) while sandboxes still run; a second SIGTERM stops it at once")
 
     # -- layout ---------------------------------------------------------------------------
 

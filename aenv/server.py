@@ -18,6 +18,7 @@ from typing import Any
 
 from .api.app import create_api
 from .api.auth import load_api_key
+from .cluster.drain import drain_router
 from .cluster.node_agent import PublishAfterChange
 from .cluster.node_setup import node_agent
 from .config import Settings
@@ -33,6 +34,7 @@ from .orchestrator.template_records import BASE_TEMPLATE, builtin_base
 from .proxy import ProxyRouter, Route, RouteTable
 from .proxy.front import Front
 from .store import (
+    VM_STATES,
     Database,
     SandboxState,
     SandboxStore,
@@ -108,13 +110,14 @@ class Server:
             finally:
                 await self.close()
 
+        self.cluster = node_agent(settings, self.sandboxes) if settings.cluster else None
         api = create_api(
             self.orchestrator, api_key=self.api_key, domain=self.options.domain,
             metrics=self.metrics, logs=self.machines.logs, lifespan=lifespan,
             builder=self.builder, upload_secret=self.api_key.encode(),
             cluster_secret=settings.cluster_secret if settings.cluster else None,
+            extra_routers=(drain_router(self.cluster),) if self.cluster else (),
         )
-        self.cluster = node_agent(settings, self.sandboxes) if settings.cluster else None
         if self.cluster is not None:
             api = PublishAfterChange(api, self.cluster)
         self.app = Front(api, self.proxy, self._signed_lookup, self._token_lookup)
@@ -143,6 +146,22 @@ class Server:
             self.templates.insert(builtin_base(
                 cpu_count=self.options.default_cpu, memory_mb=self.options.default_memory_mb,
                 disk_size_mb=self.options.default_disk_mb, now=time.time()))
+
+    async def drain(self, poll_s: float = 0.5) -> None:
+        """In a cluster: go ``draining`` (no new creates), then wait until no sandbox holds
+        a VM or ``drain_timeout`` passes (``aenv.cluster.drain``)."""
+        if self.cluster is None:
+            return
+        await self.cluster.drain()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.drain_timeout
+        while (running := sum(r.state in VM_STATES for r in self.sandboxes.live())):
+            if loop.time() >= deadline:
+                log.info("drained for %.0f s; stopping with %d sandbox(es) running",
+                         self.settings.drain_timeout, running)
+                return
+            await asyncio.sleep(poll_s)
+        log.info("drained: no sandbox running; stopping")
 
     async def close(self) -> None:
         if self.cluster is not None:  # first: no new creates while the node stops

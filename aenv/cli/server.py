@@ -136,6 +136,7 @@ def server(
         typer.echo(f"aenv server: {e}", err=True)
         raise typer.Exit(1) from None
 
+    from ..cluster.drain import DrainingServer
     from ..orchestrator.node import NodeMachines
     from ..server import Server, ServerOptions
 
@@ -155,7 +156,8 @@ def server(
     config = uvicorn.Config(srv.app, host=host, port=port, log_level=s.log_level,
                             access_log=False, timeout_keep_alive=300, lifespan="on",
                             **(tls.uvicorn_options() if tls else {}))
-    uv = uvicorn.Server(config)
+    # In a cluster the first SIGTERM drains before stopping (aenv.cluster.drain).
+    uv = DrainingServer(config, srv.drain if srv.cluster is not None else None)
     try:
         # After a signal uvicorn re-raises it once shut down: SIGTERM then ends the
         # process with the usual status, SIGINT arrives here as KeyboardInterrupt.

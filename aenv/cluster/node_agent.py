@@ -13,7 +13,9 @@ live sandboxes, running and paused, fork children included) and writes it with
   had vanished (Redis restarted empty): the store is the truth, Redis an index of it.
 
 Redis being down never fails a request or the node: errors are logged (once per outage)
-and the next heartbeat tries again. ``close`` takes the node out of scheduling at once.
+and the next heartbeat tries again. ``drain`` marks the node ``draining`` (kept in every
+later publish): gateways send it no new creates, its sandboxes stay routed.
+``close`` takes the node out of scheduling and routing at once.
 """
 
 from __future__ import annotations
@@ -69,6 +71,18 @@ class NodeAgent:
         except (RedisError, OSError, TimeoutError) as e:
             log.warning("cluster: could not leave the registry: %s", e)
         await self.registry.close()
+
+    @property
+    def draining(self) -> bool:
+        return self.record.draining
+
+    async def drain(self) -> bool:
+        """Draining from now on (a SIGTERM, a preStop): published at once; False if Redis
+        failed (the next heartbeat publishes it)."""
+        if not self.record.draining:
+            log.info("cluster: node %s draining: no new creates", self.record.node_id)
+            self.record = replace(self.record, draining=True)
+        return await self.sync()
 
     async def sync(self, *, force: bool = True) -> bool:
         """Publish the store's index (when ``force`` or changed); False if Redis failed."""
