@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 from e2b import CommandExitException, Sandbox
 from e2b.sandbox.commands.command_handle import PtySize
-from e2b.sandbox.filesystem.watch_handle import FilesystemEventType
 
 from aenv.config import Settings
 from aenv.storage.images import Image, build_image
@@ -28,6 +27,7 @@ from aenv.store import Database, TemplateStore
 from aenv.store.records import TemplateRecord
 from aenv.store.states import BuildStatus, TemplateKind
 from tests.guest.tools_images import busybox_tree, debian_tree
+from tests.sdk_checks import assert_watch_sees_a_new_file
 from tests.server.conftest import ServerProcess, sdk_pointed_at, serving
 
 pytestmark = [pytest.mark.vm, pytest.mark.net, pytest.mark.timeout(1200)]
@@ -119,19 +119,7 @@ def test_aenvtd_files_write_read_list(busybox: Sandbox, debian: Sandbox) -> None
 
 
 def test_aenvtd_watch_sees_a_new_file(busybox: Sandbox) -> None:
-    busybox.files.make_dir("/home/user/watched")
-    handle = busybox.files.watch_dir("/home/user/watched")
-    try:
-        busybox.commands.run("echo x > /home/user/watched/new.txt")
-        deadline = time.monotonic() + 10
-        events: list = []
-        while time.monotonic() < deadline and not any(
-                e.name == "new.txt" and e.type == FilesystemEventType.CREATE for e in events):
-            events += handle.get_new_events()
-            time.sleep(0.2)
-        assert ("new.txt", FilesystemEventType.CREATE) in [(e.name, e.type) for e in events]
-    finally:
-        handle.stop()
+    assert_watch_sees_a_new_file(busybox, within=10)
 
 
 @pytest.mark.parametrize("which", ["busybox", "debian"])

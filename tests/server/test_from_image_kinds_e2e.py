@@ -17,7 +17,6 @@ Each template is built once per module (a build cold-boots a VM) and shared by i
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +25,6 @@ import pytest
 from e2b import Sandbox, Template
 from e2b.exceptions import BuildException
 from e2b.sandbox.commands.command_handle import CommandExitException, PtySize
-from e2b.sandbox.filesystem.watch_handle import FilesystemEventType
 
 from tests.local_registry import (
     BUSYBOX_MARKER,
@@ -37,6 +35,7 @@ from tests.local_registry import (
     local_registry,
 )
 from tests.registries import oci_index_layout, oci_layout, tar_layer
+from tests.sdk_checks import assert_watch_sees_a_new_file
 from tests.server.conftest import ServerProcess
 
 pytestmark = [pytest.mark.vm, pytest.mark.net, pytest.mark.timeout(1200)]
@@ -130,18 +129,7 @@ def test_debian_minbase_pty_runs_its_bash(debian_sbx: Sandbox) -> None:
 
 
 def test_debian_minbase_watch_dir_sees_a_new_file(debian_sbx: Sandbox) -> None:
-    debian_sbx.files.make_dir("/home/user/watched")
-    handle = debian_sbx.files.watch_dir("/home/user/watched")
-    try:
-        debian_sbx.commands.run("echo x > /home/user/watched/new.txt")
-        deadline = time.monotonic() + 15
-        seen: list[tuple[str, FilesystemEventType]] = []
-        while time.monotonic() < deadline and ("new.txt", FilesystemEventType.CREATE) not in seen:
-            seen += [(e.name, e.type) for e in handle.get_new_events()]
-            time.sleep(0.2)
-        assert ("new.txt", FilesystemEventType.CREATE) in seen
-    finally:
-        handle.stop()
+    assert_watch_sees_a_new_file(debian_sbx, within=15)
 
 
 # -- whiteouts and opaque directories ---------------------------------------------------------
