@@ -11,6 +11,7 @@ or guest-RAM file of ours is left.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import secrets
@@ -231,6 +232,17 @@ async def restore_guest(name: str, snapshot_dir: Path, settings: Settings, pool:
         raise
 
 
+@contextlib.asynccontextmanager
+async def running_guest(name: str, settings: Settings, kernel, image, pool: SlotPool,
+                        limits: VMLimits | None = None) -> AsyncIterator[Guest]:
+    """``boot_guest`` for the length of a block (a module's fixture), then ``destroy_guest``."""
+    guest = await boot_guest(name, settings, kernel, image, pool, limits)
+    try:
+        yield guest
+    finally:
+        await destroy_guest(guest, pool)
+
+
 async def destroy_guest(guest: Guest, pool: SlotPool) -> None:
     if guest.control_plane is not None:
         guest.control_plane.stop()
@@ -243,13 +255,11 @@ async def destroy_guest(guest: Guest, pool: SlotPool) -> None:
 
 @pytest.fixture(scope="module")
 async def guest_a(rt_settings, kernel, base_image, slot_pool) -> AsyncIterator[Guest]:
-    g = await boot_guest(VM_PREFIX + "a", rt_settings, kernel, base_image, slot_pool)
-    yield g
-    await destroy_guest(g, slot_pool)
+    async with running_guest(VM_PREFIX + "a", rt_settings, kernel, base_image, slot_pool) as g:
+        yield g
 
 
 @pytest.fixture(scope="module")
 async def guest_b(rt_settings, kernel, base_image, slot_pool) -> AsyncIterator[Guest]:
-    g = await boot_guest(VM_PREFIX + "b", rt_settings, kernel, base_image, slot_pool)
-    yield g
-    await destroy_guest(g, slot_pool)
+    async with running_guest(VM_PREFIX + "b", rt_settings, kernel, base_image, slot_pool) as g:
+        yield g

@@ -31,9 +31,9 @@ from tests.runtime.conftest import (
     GUEST_MIB,
     VM_PREFIX,
     Guest,
-    boot_guest,
     destroy_guest,
     restore_guest,
+    running_guest,
 )
 
 pytestmark = [pytest.mark.vm, pytest.mark.net, pytest.mark.timeout(300)]
@@ -54,17 +54,16 @@ def status(pid: int) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 async def plain(rt_settings, kernel, base_image, slot_pool) -> AsyncIterator[Guest]:
-    g = await boot_guest(VM_PREFIX + "c-plain", rt_settings, kernel, base_image, slot_pool)
-    yield g
-    await destroy_guest(g, slot_pool)
+    async with running_guest(VM_PREFIX + "c-plain", rt_settings, kernel, base_image,
+                             slot_pool) as g:
+        yield g
 
 
 @pytest.fixture(scope="module")
 async def tight(rt_settings, kernel, base_image, slot_pool) -> AsyncIterator[Guest]:
-    g = await boot_guest(VM_PREFIX + "c-tight", rt_settings, kernel, base_image, slot_pool,
-                         limits=VMLimits(memory_bytes=TIGHT))
-    yield g
-    await destroy_guest(g, slot_pool)
+    async with running_guest(VM_PREFIX + "c-tight", rt_settings, kernel, base_image, slot_pool,
+                             limits=VMLimits(memory_bytes=TIGHT)) as g:
+        yield g
 
 
 def test_the_vmm_runs_as_its_own_unprivileged_uid_under_seccomp_in_its_workdir(
