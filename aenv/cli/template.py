@@ -31,6 +31,9 @@ from rich.text import Text
 
 from ..client.api import ApiClient
 from ..client.build_files import BuildFilesError, files_hash, read_dockerignore, tar_archive
+from ..config import Settings
+from ..interpreter.template import NAME as INTERPRETER_TEMPLATE
+from . import interpreter_template
 from .connection import UrlOption, fail, session
 from .dockerfile import DockerfileError, Recipe, parse_dockerfile
 from .sandbox import pairs, relative_time
@@ -211,10 +214,24 @@ def build(
                                          help="Memory (MiB) of its sandboxes."),
     url: str | None = UrlOption,
 ) -> None:
-    """Build a template and print its id."""
-    recipe = recipe_from(dockerfile, from_template=from_template, run=run, copy=copy,
-                         env=pairs(env, "environment variable"), workdir=workdir, user=user,
-                         start_cmd=start_cmd, ready_cmd=ready_cmd)
+    """Build a template and print its id. ``code-interpreter-v1`` alone (no Dockerfile,
+    no steps) builds the definition aenv ships (aenv/interpreter/template.py)."""
+    shipped = name.split(":")[0] == INTERPRETER_TEMPLATE and not any(
+        (dockerfile, context, from_template, run, copy, env, workdir, user, start_cmd, ready_cmd))
+    if shipped:
+        console = Console(stderr=True, highlight=False)
+        started = time.monotonic()
+        with console.status("installing the code interpreter's libraries for the guest"):
+            try:
+                context = interpreter_template.stage(Settings.from_env().cache_dir)
+            except (RuntimeError, OSError) as e:
+                raise fail(str(e)) from None
+        console.print(f"libraries staged in {context} ({time.monotonic() - started:.1f}s)")
+        recipe = interpreter_template.recipe()
+    else:
+        recipe = recipe_from(dockerfile, from_template=from_template, run=run, copy=copy,
+                             env=pairs(env, "environment variable"), workdir=workdir,
+                             user=user, start_cmd=start_cmd, ready_cmd=ready_cmd)
     ctx_dir = context or (dockerfile.parent if dockerfile else Path("."))
     ignore = read_dockerignore(ctx_dir)
     try:

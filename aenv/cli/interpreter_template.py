@@ -1,0 +1,87 @@
+"""Stage the ``code-interpreter-v1`` build context on the host (aenv/interpreter/template.py).
+
+The libraries are installed here, for the guest's Python and platform, into
+``<cache dir>/interpreter-template/<key>/site``: ``key`` is a digest of the package list, the
+platforms, the guest's Python and the server's source, so a second build reuses the
+directory (and the server, seeing the same ``filesHash``, the uploaded archive) and a change
+to any of them stages afresh. Removing the cache directory is always safe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import aenv
+from aenv.interpreter import template
+
+from .dockerfile import Recipe, parse_dockerfile
+
+
+def _sources() -> list[Path]:
+    pkg = Path(template.__file__).parent
+    return [Path(aenv.__file__), *sorted(p for p in pkg.iterdir() if p.suffix in (".py", ".txt"))]
+
+
+def key() -> str:
+    h = hashlib.sha256()
+    for part in (*template.PACKAGES, *template.PLATFORMS, *template.PRUNE_DIRS,
+                 template.GUEST_PYTHON):
+        h.update(part.encode() + b"\0")
+    for src in _sources():
+        h.update(src.name.encode() + b"\0" + src.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def pip_command(target: Path) -> list[str]:
+    py = template.GUEST_PYTHON
+    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+           "--no-warn-script-location", "--target", str(target), "--only-binary=:all:",
+           "--python-version", py, "--implementation", "cp", "--abi", "cp" + py.replace(".", "")]
+    for platform in template.PLATFORMS:
+        cmd += ["--platform", platform]
+    return [*cmd, *template.PACKAGES]
+
+
+def stage(cache_dir: Path) -> Path:
+    """The build context directory (holding ``site``), staged once per ``key``."""
+    root = cache_dir / "interpreter-template"
+    context = root / key()
+    if (context / "site").is_dir():
+        return context
+    root.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".staging-", dir=root))
+    work.chmod(0o755)
+    try:
+        site = work / "site"
+        proc = subprocess.run(pip_command(site), capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError("installing the code interpreter's libraries failed:\n"
+                               + (proc.stderr or proc.stdout)[-4000:])
+        for name in template.PRUNE_DIRS:
+            for d in sorted(site.rglob(name), reverse=True):
+                if d.is_dir() and (d.parent / "__init__.py").exists():
+                    shutil.rmtree(d)
+        shutil.rmtree(site / "bin", ignore_errors=True)  # console scripts name this host's python
+        dest = site / "aenv"
+        (dest / "interpreter").mkdir(parents=True)
+        for src in _sources():
+            target = dest / src.name if src.name == "__init__.py" and src.parent.name == "aenv" \
+                else dest / "interpreter" / src.name
+            shutil.copy2(src, target)
+        subprocess.run([sys.executable, "-m", "compileall", "-q", str(dest)], check=False)
+        context.parent.mkdir(parents=True, exist_ok=True)
+        work.rename(context)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return context
+
+
+def recipe() -> Recipe:
+    r = parse_dockerfile(template.dockerfile())
+    r.ready_cmd = template.READY_CMD
+    return r

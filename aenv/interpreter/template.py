@@ -1,0 +1,66 @@
+"""The ``code-interpreter-v1`` template's definition (data only: no host-side imports).
+
+What E2B's code-interpreter template offers, from PyPI: the kernel (ipykernel, jupyter_client)
+and the everyday data libraries. They are installed on the host, for the guest's Python
+(``GUEST_PYTHON``, Debian bookworm's 3.11) and platform, into one directory (``site``) that
+the build COPYs to ``SITE`` together with ``aenv/interpreter``; a ``.pth`` file puts it on
+every guest ``python3``'s path, so the kernel, ``commands.run("python3 ...")`` and the server
+see the same libraries. Installing wheels inside an emulated guest is what this avoids.
+
+The build (``aenv template build code-interpreter-v1``) starts the server as the template's
+user in ``/home/user`` and snapshots it ready, so a create restores a running kernel.
+"""
+
+from __future__ import annotations
+
+NAME = "code-interpreter-v1"
+GUEST_PYTHON = "3.11"
+SITE = "/opt/aenv-interpreter/site"
+PTH = f"/usr/local/lib/python{GUEST_PYTHON}/dist-packages/aenv-interpreter.pth"
+USER = "user"
+HOME = "/home/user"
+
+# The server's own dependencies (requirements.txt) come first; then the libraries.
+PACKAGES = (
+    "jupyter_client>=8.6",
+    "ipykernel>=6.29",
+    "starlette>=0.40",
+    "uvicorn>=0.30",
+    "numpy",
+    "pandas",
+    "matplotlib",
+    "seaborn",
+    "pillow",
+    "requests",
+    "beautifulsoup4",
+    "openpyxl",
+)
+# manylinux tags the guest's glibc (bookworm: 2.36) runs, newest first.
+PLATFORMS = tuple(f"{tag}_x86_64" for tag in (
+    "manylinux_2_36", "manylinux_2_35", "manylinux_2_34", "manylinux_2_31", "manylinux_2_28",
+    "manylinux_2_27", "manylinux_2_24", "manylinux_2_17", "manylinux2014", "manylinux_2_5",
+    "manylinux1",
+))
+# Test suites the libraries ship (pandas alone ~45 MB): nothing imports them.
+PRUNE_DIRS = ("tests",)
+
+START_CMD = (f"python3 -m aenv.interpreter --host 0.0.0.0 --port 49999 --cwd {HOME}"
+             " --log-level warning")
+READY_CMD = "curl -sf http://127.0.0.1:49999/health"
+
+
+def dockerfile() -> str:
+    """The build steps; ``site`` (the context directory's one entry) is the staged libraries
+    with ``aenv/__init__.py`` and ``aenv/interpreter`` beside them."""
+    return "\n".join([
+        "FROM base",
+        f"RUN python3 -c 'import sys; v = \"%d.%d\" % sys.version_info[:2]; "
+        f"assert v == \"{GUEST_PYTHON}\", \"the guest has Python \" + v'",
+        f"COPY site {SITE}",
+        f"RUN mkdir -p $(dirname {PTH}) && echo {SITE} > {PTH}",
+        # matplotlib's font cache, built once here rather than in every sandbox's first plot
+        f"USER {USER}",
+        f"WORKDIR {HOME}",
+        "RUN python3 -c 'import matplotlib.pyplot'",
+        f"CMD {START_CMD}",
+    ]) + "\n"
