@@ -445,6 +445,11 @@ class Settings(_Declared):
         "AENV_CLUSTER_SECRET", None, secret=True, check=_cluster_secret,
         doc="shared by gateways and nodes (32+ printable characters): gateway-to-node "
             "calls carry it, and a node in a cluster accepts it instead of its API key")
+    shared_store: Path | None = setting(
+        "AENV_SHARED_STORE", None,
+        doc="in a cluster, a directory every node mounts (NFS, CephFS, EFS): pauses and "
+            "snapshots are published there, content-addressed, and a node fetches one it "
+            "lacks from there, so a paused sandbox resumes on another node")
     drain_timeout: float = setting(
         "AENV_DRAIN_TIMEOUT", 30.0, check=_at_least(0),
         doc="in a cluster, seconds a node told to stop (SIGTERM) stays up `draining` (no "

@@ -7,4 +7,6 @@ own store stays the truth for its sandboxes.
 - ``scheduling``: which node a create goes to.
 - ``trust``: the cluster secret that gateway -> node calls carry.
 - ``gateway``: ``aenv gateway``'s ASGI app (REST + data plane on one listener).
+- ``handover``: paused sandboxes offered through the shared store (``AENV_SHARED_STORE``,
+  ``aenv.storage.shared_store``) and claimed by the node that resumes them.
 """

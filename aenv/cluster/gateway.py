@@ -24,6 +24,10 @@ One listener, as a node has (``aenv.proxy.front.Front`` decides per request):
   ``/v2/sandboxes/{id}/connect``) goes to the sandbox's node. ``GET /nodes`` and
   ``GET /nodes/{id}`` report the registry. Anything else (templates, snapshots) answers
   501 for now.
+- A resume or connect of a paused sandbox whose node is gone (past its TTL, or not
+  answering) or full (429) goes to another ready node with room that can restore its
+  snapshot (``NodeRecord.restores`` against the requirements the node published with it,
+  ``handover``); the first that resumes it owns it. None can: 409 naming why per node.
 
 Calls to nodes carry ``X-Aenv-Cluster-Secret`` (``trust``) in place of the client's key.
 Advertised node URLs must be ``http://`` in this slice.
@@ -54,6 +58,7 @@ from ..client.http import plain_client
 from ..envd.signing import Operation
 from ..proxy import ProxyRouter, Route, RouteTable
 from ..proxy.front import Front
+from ..storage.shared_store import incompatibilities
 from .registry import NodeStatus, Registry
 from .scheduling import candidates
 from .trust import SECRET_HEADER
@@ -70,6 +75,7 @@ LIST_TIMEOUT_S = 10.0
 ROUTE_CACHE_S = 1.0
 ROUTE_CACHE_SIZE = 100_000
 _SANDBOX = re.compile(r"^(?:/v2)?/sandboxes/([^/]+)(?:/.*)?$")
+_RESUMES = re.compile(r"^(?:/v2)?/sandboxes/[^/]+/(?:resume|connect)/?$")
 _CREATES = ("/sandboxes", "/v2/sandboxes")
 _NODE = re.compile(r"^/nodes/([^/]+)/?$")
 _LISTS = ("/sandboxes", "/v2/sandboxes")
@@ -295,15 +301,73 @@ class Gateway:
         node = await self.registry.node(owner) if owner else None
         if node is None:
             return Reply.error(404, f"sandbox '{sandbox_id}' not found")
+        resumes = scope["method"] == "POST" and bool(_RESUMES.match(scope["path"]))
         if not node.alive:
+            if resumes:
+                return await self._resume_elsewhere(scope, body, sandbox_id, node, None)
             return Reply.error(503, f"the node of sandbox '{sandbox_id}' ({node.record.node_id})"
                                " is unreachable")
         try:
-            return await self._call(self._request(node, scope, body), CALL_TIMEOUT_S)
+            reply = await self._call(self._request(node, scope, body), CALL_TIMEOUT_S)
         except httpx.HTTPError as e:
             log.warning("node %s did not answer %s %s: %s", node.record.node_id,
                         scope["method"], scope["path"], e)
+            if resumes:
+                return await self._resume_elsewhere(scope, body, sandbox_id, node, None)
             return Reply.error(502, f"the node of sandbox '{sandbox_id}' did not answer")
+        if resumes and reply.status == 429:  # full: another node may take it over
+            return await self._resume_elsewhere(scope, body, sandbox_id, node, reply)
+        return reply
+
+    async def _resume_elsewhere(self, scope: Scope, body: bytes, sandbox_id: str,
+                                owner: NodeStatus, refused: Reply | None) -> Reply:
+        """Resume a paused sandbox on another node, when its node offered it to the cluster
+        (shared store, ``handover``) and its own node is gone or full: the ready nodes with
+        room that can restore its snapshot, best first; the first that resumes it owns it.
+        """
+        requires = await self.registry.requires(sandbox_id)
+        gone = refused is None
+        if requires is None:
+            return refused or Reply.error(
+                503, f"the node of sandbox '{sandbox_id}' ({owner.record.node_id}) is "
+                "unreachable, and the sandbox is not paused in the shared store")
+        others = [n for n in candidates(await self.registry.nodes(), self.in_flight)
+                  if n.record.node_id != owner.record.node_id]
+        checked = {k: v for k, v in requires.items() if k != "kernel"}  # the node checks it
+        able, unable = [], []
+        for n in others:
+            why = incompatibilities(checked, n.record.restores)
+            if why:
+                unable.append(f"node {n.record.node_id}: {'; '.join(why)}")
+            else:
+                able.append(n)
+        last = refused
+        for node in able:
+            try:
+                reply = await self._call(self._request(node, scope, body), CALL_TIMEOUT_S)
+            except httpx.HTTPError as e:
+                log.warning("resume of %s on node %s failed (%s); trying the next",
+                            sandbox_id, node.record.node_id, e)
+                continue
+            if reply.status < 300:
+                log.info("sandbox %s: resumed on node %s (its node %s is %s)", sandbox_id,
+                         node.record.node_id, owner.record.node_id,
+                         "gone" if gone else "full")
+                self._routes.pop(sandbox_id, None)
+                return reply
+            log.info("resume of %s refused by node %s (%d); trying the next", sandbox_id,
+                     node.record.node_id, reply.status)
+            last = reply
+            if reply.status == 409:
+                unable.append(f"node {node.record.node_id}: "
+                              f"{json.loads(reply.body or b'{}').get('message', '')}")
+        if last is not None and last.status != 409:
+            return last
+        where = "; ".join(unable) if unable else "no other node is ready with room"
+        return Reply.error(409 if unable else 503,
+                           f"sandbox '{sandbox_id}' is paused on node {owner.record.node_id}, "
+                           f"which is {'gone' if gone else 'full'}, and no node can resume "
+                           f"it: {where}")
 
 
 def _cursor(listed: dict[str, Any]) -> str:

@@ -8,11 +8,14 @@ starting or stopping), counted as running while it holds a VM (``VM_STATES``).
 
 from __future__ import annotations
 
+import json
 import socket
+from typing import Any
 
 from .. import __version__
 from ..config import Settings
-from ..store import VM_STATES, SandboxStore
+from ..storage import shared_store
+from ..store import VM_STATES, SandboxState, SandboxStore
 from .node_agent import NodeAgent
 from .registry import IndexEntry, NodeRecord, Registry
 
@@ -37,6 +40,17 @@ def advertise_url(settings: Settings) -> str:
     return f"{scheme}://{where}:{settings.listen_port}"
 
 
+def restores(settings: Settings) -> dict[str, Any]:
+    """What snapshots this node can restore (``shared_store.node_capabilities``), for the
+    gateway; the guest kernels are left to the node's own check at restore."""
+    from ..runtime.kvm import host_accel
+
+    accel = "kvm" if settings.runtime == "firecracker" else host_accel().accel
+    offers = shared_store.node_capabilities(settings.runtime, accel, [])
+    del offers["kernels"]
+    return offers
+
+
 def check(settings: Settings) -> None:
     """Raise ``NodeSetupError`` when cluster mode lacks what it needs."""
     if not settings.cluster:
@@ -50,10 +64,28 @@ def check(settings: Settings) -> None:
 def node_agent(settings: Settings, sandboxes: SandboxStore) -> NodeAgent:
     assert settings.cluster, "not in a cluster"
     check(settings)
+    shared = shared_store.SharedStore(settings.shared_store) if settings.shared_store \
+        else None
     record = NodeRecord(node_id=node_id(settings), url=advertise_url(settings),
-                        version=__version__, max_sandboxes=settings.max_sandboxes)
+                        version=__version__, max_sandboxes=settings.max_sandboxes,
+                        restores=restores(settings) if shared else {})
+    requires: dict[str, str] = {}  # snapshot ref -> its requirements (snapshots never change)
+
+    def offered(ref: str | None) -> str:
+        """The requirements of published snapshot ``ref`` as JSON ("" if unpublished)."""
+        if shared is None or not ref:
+            return ""
+        if ref not in requires:
+            try:
+                bundle = shared.bundle(ref.split(":", 1)[-1])
+            except (shared_store.SharedStoreError, OSError):
+                return ""
+            requires[ref] = json.dumps(bundle.requires, sort_keys=True)
+        return requires[ref]
 
     def index() -> list[IndexEntry]:
-        return [IndexEntry(r.id, r.state in VM_STATES) for r in sandboxes.live()]
+        return [IndexEntry(r.id, r.state in VM_STATES,
+                           offered(r.snapshot_id) if r.state == SandboxState.PAUSED else "")
+                for r in sandboxes.live()]
 
     return NodeAgent(Registry.from_url(settings.cluster), record, index)

@@ -12,12 +12,15 @@ clusters sharing one Redis):
   fork children) of every node.
 - ``node:<id>:sandboxes`` (set): the ids that node last published, so a republish can
   remove the ones it no longer has.
+- ``requires`` (hash): sandbox id -> JSON portability requirements of a paused sandbox
+  whose node offered it to the cluster (``handover``): another node may resume it.
 
 Redis holds nothing a node cannot say again: ``publish`` replaces a node's whole share of
 the index in one transaction (MULTI/EXEC) from what the node's store holds, and
 ``heartbeat`` tells the node when its liveness key had vanished (Redis restarted empty, or
-the node was silent past its TTL) so it publishes again. A sandbox id belongs to one node,
-so removing a node's old ids never touches another node's.
+the node was silent past its TTL) so it publishes again. A sandbox id belongs to one node
+at a time; a paused one may move to another (``handover``), so a publish removes only the
+old ids that still name the publishing node.
 """
 
 from __future__ import annotations
@@ -47,6 +50,10 @@ class NodeRecord:
     max_sandboxes: int = 0    # 0: no limit
     draining: bool = False
     published_at: float = 0.0
+    # What snapshots it restores (``shared_store.node_capabilities`` without the kernels,
+    # which the node itself checks): the gateway sends a paused sandbox only to nodes that
+    # can restore it.
+    restores: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -78,6 +85,9 @@ class IndexEntry:
 
     sandbox_id: str
     running: bool = True
+    # A paused sandbox offered to other nodes (shared store): its snapshot's portability
+    # requirements, as JSON.
+    requires: str = ""
 
 
 @dataclass
@@ -124,6 +134,10 @@ class Registry:
         own = self._k("node", record.node_id, "sandboxes")
         old = _strs(await self.client.smembers(own))
         gone = old - ids
+        if gone:  # only those still ours: another node may have resumed one of them
+            owners = await self.client.hmget(self._k("sandboxes"), sorted(gone))
+            gone = {i for i, o in zip(sorted(gone), owners, strict=True)
+                    if o is not None and _str(o) == record.node_id}
         async with self.client.pipeline(transaction=True) as p:
             if gone:
                 p.hdel(self._k("sandboxes"), *gone)
@@ -132,6 +146,12 @@ class Registry:
             p.delete(own)
             if ids:
                 p.sadd(own, *ids)
+            offered = {e.sandbox_id: e.requires for e in entries if e.requires}
+            if offered:
+                p.hset(self._k("requires"), mapping={k: v for k, v in offered.items()})
+            unoffered = (ids - set(offered)) | gone
+            if unoffered:
+                p.hdel(self._k("requires"), *unoffered)
             p.hset(self._k("nodes"), record.node_id, record.to_json())
             p.set(self._k("alive", record.node_id), str(time.time()), px=int(self.ttl_s * 1000))
             await p.execute()
@@ -167,6 +187,15 @@ class Registry:
         """The id of the node holding ``sandbox_id``, if any node published it."""
         node = await self.client.hget(self._k("sandboxes"), sandbox_id)
         return None if node is None else _str(node)
+
+    async def requires(self, sandbox_id: str) -> dict[str, Any] | None:
+        """What restoring the paused ``sandbox_id`` needs, when its node offered it to the
+        cluster (``handover``); None otherwise."""
+        raw = await self.client.hget(self._k("requires"), sandbox_id)
+        if raw is None:
+            return None
+        value: dict[str, Any] = json.loads(_str(raw))
+        return value
 
     async def node_sandboxes(self, node_id: str) -> set[str]:
         return _strs(await self.client.smembers(

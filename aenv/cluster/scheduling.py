@@ -4,7 +4,9 @@ This slice's rule: only ready nodes (heartbeat within its TTL, not draining) wit
 (fewer sandboxes holding a VM than their ``max_sandboxes``, counting the creates this
 gateway has in flight to them), fewest such sandboxes first, ties by id. The gateway tries
 them in that order and moves to the next when one refuses (429, 5xx, timeout).
-Not yet: vCPU/memory budgets, template-cache preference, snapshot portability.
+A paused sandbox whose node is gone or full goes to these nodes minus those that cannot
+restore its snapshot (``gateway``, ``NodeRecord.restores``).
+Not yet: vCPU/memory budgets, template-cache preference.
 """
 
 from __future__ import annotations

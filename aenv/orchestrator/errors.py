@@ -61,3 +61,10 @@ class Unsupported(OrchestratorError):
     """This node cannot do that (yet): e.g. pause before snapshots exist."""
 
     status = 501
+
+
+class NotRestorable(OrchestratorError):
+    """This node cannot restore the snapshot (another driver, accelerator, CPU model,
+    guest kernel or aenv version wrote it); the message says why. Another node may."""
+
+    status = 409

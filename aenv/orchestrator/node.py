@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..client.envd import EnvdClient
+from ..cluster.handover import Handover
+from ..cluster.node_setup import node_id, restores
 from ..config import Settings
 from ..envd import ENVD_PORT
 from ..guest.bootargs import ToolsBoot, guest_boot_args
@@ -38,15 +40,15 @@ from ..runtime import (
 )
 from ..runtime import workdir as wd
 from ..runtime.ready import boot_until_ready
-from ..storage import disk_layers, disks, snapshot_store
+from ..storage import disk_layers, disks, shared_store, snapshot_store
 from ..storage.disks import Disk, create_disk
-from ..storage.errors import ImageError
+from ..storage.errors import ImageError, StorageError
 from ..storage.image_ref import ImageRef
 from ..storage.images import Image, ensure_base_image, image_by_digest
 from ..storage.kernel import Kernel, ensure_kernel
 from ..storage.tools_drive import ToolsDrive, disk_uses_tools, ensure_tools_drive
 from ..store import SandboxRecord, TemplateRecord
-from .errors import InvalidRequest
+from .errors import InvalidRequest, NotRestorable
 from .machine import NodeResources, Placement
 from .timing import PhaseTimer
 
@@ -113,6 +115,14 @@ class NodeMachines:
         # is not yet anyone's root).
         self._snapshot_lock = asyncio.Lock()
         self._console_task: asyncio.Task[None] | None = None
+        # In a cluster with a shared store: pauses and snapshots are published there, and
+        # a snapshot this node lacks is fetched from there (``aenv.storage.shared_store``);
+        # ``handover`` offers paused sandboxes to the other nodes (``aenv.cluster``).
+        self.shared: shared_store.SharedStore | None = None
+        self.handover: Handover | None = None
+        if settings.shared_store is not None:
+            self.shared = shared_store.SharedStore(settings.shared_store)
+            self.handover = Handover(self.shared, node_id(settings))
 
     # -- node life ------------------------------------------------------------------------
 
@@ -226,6 +236,8 @@ class NodeMachines:
         with self.pool.starting():
             if image.is_snapshot:
                 directory = self._snapshot_dir(image)
+                if not snapshot_store.is_complete(directory):
+                    await self.fetch(image.id)
                 if not snapshot_store.is_complete(directory):
                     raise InvalidRequest(f"snapshot {image} does not exist on this node")
                 if snapshot_store.disk_snapshot(directory) is None:
@@ -443,6 +455,7 @@ class NodeMachines:
         self._running.pop(rec.id, None)
         await asyncio.to_thread(self._release, running.slot)
         await asyncio.to_thread(wd.remove, Path(rec.vm_dir or running.vm.workdir))
+        await self.publish(directory.name)
 
     async def _pause_disk(self, rec: SandboxRecord, running: _Running,
                           directory: Path) -> None:
@@ -482,6 +495,51 @@ class NodeMachines:
         log.info("sandbox %s: snapshot %s (freeze %.0f ms, total %.0f ms)", rec.id,
                  ref, info.freeze_s * 1000, info.total_s * 1000,
                  extra={"sandbox_id": rec.id, "op": "snapshot", "duration": info.total_s})
+        await self.publish(self._snapshot_dir(ref).name)
+
+    # -- the shared store (a cluster's) ---------------------------------------------------
+
+    def offers(self) -> dict[str, Any]:
+        """What this node restores (``shared_store.incompatibilities`` reads it)."""
+        kernels = self.settings.kernels_dir
+        names = [p.name for p in kernels.iterdir()] if kernels.is_dir() else []
+        return {**restores(self.settings), "kernels": sorted(names)}
+
+    async def publish(self, snapshot_id: str) -> None:
+        """Publish a snapshot just written to the shared store (when there is one). A
+        failure is logged: the snapshot stays usable here, only not elsewhere."""
+        if self.shared is None:
+            return
+        roots = shared_store.LocalRoots(self.settings.snapshots_dir, self.settings.layers_dir)
+        started = time.monotonic()
+        try:
+            await asyncio.to_thread(self.shared.publish, roots, snapshot_id)
+        except (OSError, StorageError) as e:
+            log.error("snapshot %s: not published to the shared store: %s", snapshot_id, e)
+            return
+        log.info("snapshot %s: published to the shared store in %.2f s", snapshot_id,
+                 time.monotonic() - started)
+
+    def restorable(self, requires: dict[str, Any]) -> list[str]:
+        """Why this node cannot restore a snapshot that ``requires`` (empty: it can)."""
+        return shared_store.incompatibilities(requires, self.offers())
+
+    async def fetch(self, snapshot_id: str) -> None:
+        """Bring a snapshot this node lacks from the shared store, verified; refuse one it
+        cannot restore (``NotRestorable``). Nothing to do without a shared store or when
+        the store lacks it. Under the snapshot lock: collection must not see a fetched
+        dependency before the snapshot that reaches it."""
+        if self.shared is None or not self.shared.has(snapshot_id):
+            return
+        roots = shared_store.LocalRoots(self.settings.snapshots_dir, self.settings.layers_dir)
+        started = time.monotonic()
+        async with self._snapshot_lock:
+            try:
+                await asyncio.to_thread(self.shared.fetch, roots, snapshot_id, self.offers())
+            except shared_store.Incompatible as e:
+                raise NotRestorable(str(e)) from e
+        log.info("snapshot %s: fetched from the shared store in %.2f s", snapshot_id,
+                 time.monotonic() - started)
 
     async def collect(self, roots: Callable[[], set[str]]) -> int:
         async with self._snapshot_lock:

@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..cluster.handover import Handover, Offer
 from ..storage.image_ref import ImageRef
 from ..store import (
     VM_STATES,
@@ -36,6 +37,7 @@ from .errors import (
     Conflict,
     InvalidRequest,
     LimitReached,
+    NotRestorable,
     SandboxNotFound,
     StartFailed,
     TemplateNotFound,
@@ -128,6 +130,7 @@ class Orchestrator:
 
     async def start(self) -> None:
         await self.recover()
+        self.drop_moved()
         self._ttl_task = asyncio.create_task(self._ttl_loop(), name="aenv-ttl")
 
     async def close(self) -> None:
@@ -470,9 +473,9 @@ class Orchestrator:
         """Running: extend the TTL if longer, return (rec, False). Paused: resume, return
         (rec, True); ``timings`` then receives the resume's phases (seconds)."""
         async with self._lock(sandbox_id):
-            rec = self.get(sandbox_id)
+            rec, claimed = await self._get_or_adopt(sandbox_id)
             if rec.state == SandboxState.PAUSED:
-                await self._resume_locked(rec, timeout, timings)
+                await self._resume_locked(rec, timeout, timings, claimed)
                 return self.get(sandbox_id), True
             if rec.state != SandboxState.RUNNING:
                 raise Conflict(f"sandbox '{sandbox_id}' is {rec.state}")
@@ -492,10 +495,10 @@ class Orchestrator:
     async def resume(self, sandbox_id: str, timeout: int | None,
                      timings: dict[str, float] | None = None) -> SandboxRecord:
         async with self._lock(sandbox_id):
-            rec = self.get(sandbox_id)
+            rec, claimed = await self._get_or_adopt(sandbox_id)
             if rec.state != SandboxState.PAUSED:
                 raise Conflict(f"sandbox '{sandbox_id}' is already running")
-            await self._resume_locked(rec, timeout, timings)
+            await self._resume_locked(rec, timeout, timings, claimed)
         return self.get(sandbox_id)
 
     async def _pause_locked(self, rec: SandboxRecord, memory: bool) -> None:
@@ -526,6 +529,7 @@ class Orchestrator:
             rec.id, [SandboxState.PAUSING], SandboxState.PAUSED, restored_from=None,
             pause_mode="full" if memory else "filesystem", vm_pid=None, slot=None, host_ip=None,
         )
+        await self._offer(rec.id)
         await self.collect_garbage()
 
     def _pause_failed(self, rec: SandboxRecord, error: Exception) -> None:
@@ -540,10 +544,27 @@ class Orchestrator:
             log.error("sandbox %s: pause failed and the VM is gone: %s", rec.id, error)
 
     async def _resume_locked(self, rec: SandboxRecord, timeout: int | None,
-                             timings: dict[str, float] | None = None) -> None:
-        self.admission.check_start(Ask(rec.cpu_count, rec.memory_mb,
-                                       cold=rec.pause_mode == "filesystem"))
+                             timings: dict[str, float] | None = None,
+                             claimed: Offer | None = None) -> None:
+        handover = self.handover
+        try:
+            self.admission.check_start(Ask(rec.cpu_count, rec.memory_mb,
+                                           cold=rec.pause_mode == "filesystem"))
+        except Exception:
+            if claimed is not None and handover is not None:
+                await asyncio.to_thread(handover.put_back, claimed)
+            raise
+        if claimed is None and handover is not None and handover.published(rec):
+            # Offered to the cluster when paused: whoever claims it first resumes it.
+            claimed = await asyncio.to_thread(handover.claim, rec.id)
+            if claimed is None or claimed.record.snapshot_id != rec.snapshot_id:
+                if claimed is not None:
+                    await asyncio.to_thread(handover.put_back, claimed)
+                self._moved_away(rec)
+                raise SandboxNotFound(rec.id)
         if not self.sandboxes.transition(rec.id, [SandboxState.PAUSED], SandboxState.RESUMING):
+            if claimed is not None and handover is not None:
+                await asyncio.to_thread(handover.put_back, claimed)
             raise Conflict(f"sandbox '{rec.id}' changed state")
         source = resume_source(rec, self.templates.get(rec.template_id))
         timer = PhaseTimer(self.clock)
@@ -551,6 +572,8 @@ class Orchestrator:
             placement = await self.machines.start(rec, source)
         except Exception:
             self.sandboxes.transition(rec.id, [SandboxState.RESUMING], SandboxState.PAUSED)
+            if claimed is not None and handover is not None:
+                await asyncio.to_thread(handover.put_back, claimed)
             raise
         now = timer.mark("total")
         record_phases("resume", {**timer.phases, **placement.phases})
@@ -561,6 +584,74 @@ class Orchestrator:
             snapshot_id=None,
             end_at=now + (timeout if timeout is not None else DEFAULT_TIMEOUT_S),
         )
+
+    # -- a cluster's shared store: paused sandboxes other nodes may resume ----------------
+
+    @property
+    def handover(self) -> Handover | None:
+        """The node's handover (``aenv.cluster.handover``) when it has a shared store."""
+        h = getattr(self.machines, "handover", None)
+        return h if isinstance(h, Handover) else None
+
+    async def _offer(self, sandbox_id: str) -> None:
+        """Offer the just-paused sandbox to the cluster, when its snapshot was published."""
+        handover = self.handover
+        rec = self.sandboxes.get(sandbox_id)
+        if handover is None or rec is None or not handover.published(rec):
+            return
+        try:
+            bundle = await asyncio.to_thread(
+                handover.store.bundle, ImageRef.parse(rec.snapshot_id or "").id)
+            await asyncio.to_thread(handover.offer, rec, bundle.requires)
+        except Exception:
+            log.exception("sandbox %s: paused, but not offered to the cluster", sandbox_id)
+
+    async def _get_or_adopt(self, sandbox_id: str) -> tuple[SandboxRecord, Offer | None]:
+        """The sandbox's record; when this node has none, a paused sandbox another node
+        offered through the shared store, claimed and inserted here (paused) with its
+        claim, which the resume puts back if it fails. ``NotRestorable`` when this node
+        cannot restore its snapshot (nothing is claimed then)."""
+        rec = self.sandboxes.get(sandbox_id)
+        handover = self.handover
+        if rec is not None or handover is None:
+            return self.get(sandbox_id), None
+        offer = await asyncio.to_thread(handover.peek, sandbox_id)
+        if offer is None:
+            raise SandboxNotFound(sandbox_id)
+        restorable = getattr(self.machines, "restorable", None)
+        why: list[str] = restorable(offer.requires) if restorable is not None else []
+        if why:
+            raise NotRestorable(f"sandbox '{sandbox_id}' was paused on node {offer.node_id} "
+                                f"and cannot be resumed on this node: {'; '.join(why)}")
+        self._check_capacity(1)
+        claimed = await asyncio.to_thread(handover.claim, sandbox_id)
+        if claimed is None:
+            raise SandboxNotFound(sandbox_id)
+        self.sandboxes.forget_ended(sandbox_id)
+        self.sandboxes.insert(claimed.record)
+        log.info("sandbox %s: taken over from node %s (paused there)", sandbox_id,
+                 claimed.node_id)
+        return self.get(sandbox_id), claimed
+
+    def drop_moved(self) -> int:
+        """End the paused sandboxes that another node claimed (resumed there while this
+        node was gone or full): they live there now."""
+        handover = self.handover
+        if handover is None:
+            return 0
+        moved = 0
+        for rec in self.sandboxes.in_states([SandboxState.PAUSED]):
+            if not self._lock(rec.id).locked() and handover.moved(rec):
+                self._moved_away(rec)
+                moved += 1
+        return moved
+
+    def _moved_away(self, rec: SandboxRecord) -> None:
+        """End the paused ``rec``: another node resumed it (its snapshot stays until
+        collection finds it unused)."""
+        if self.sandboxes.transition(rec.id, [SandboxState.PAUSED], SandboxState.KILLING):
+            self._end(rec.id, SandboxState.KILLED, "resumed on another node")
+            log.info("sandbox %s: resumed on another node; forgotten here", rec.id)
 
     # -- TTL ------------------------------------------------------------------------------
 
@@ -574,6 +665,7 @@ class Orchestrator:
 
     async def expire_once(self) -> None:
         now = self.clock()
+        self.drop_moved()
         if now - self._purged_at > PURGE_INTERVAL_S:
             self._purged_at = now
             purged = self.sandboxes.purge_ended(now - self.limits.retention_s)

@@ -137,3 +137,11 @@ class SandboxStore:
             )
             return cur.rowcount
 
+
+    def forget_ended(self, sandbox_id: str) -> None:
+        """Remove the row of ended (killed/lost) sandbox ``sandbox_id``, if any: it comes
+        back under the same id (a paused sandbox handed back from another node)."""
+        with self.db.transaction() as c:
+            placeholders = ",".join("?" * len(LIVE_STATES))
+            c.execute(f"DELETE FROM sandboxes WHERE id = ? AND state NOT IN ({placeholders})",
+                      (sandbox_id, *LIVE_STATES))

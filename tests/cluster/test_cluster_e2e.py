@@ -2,7 +2,8 @@
 by the unmodified E2B Python SDK pointed at the gateway (E2B_API_URL = E2B_SANDBOX_URL).
 
 One pair of nodes for the whole module (each its own home, prefix and address ranges,
-sharing the kernel and image cache), started side by side. At the end every sandbox is
+sharing the kernel and image cache and a shared store, ``AENV_SHARED_STORE``, in the
+module's tmp dir), started side by side. At the end every sandbox is
 killed through each node's API, the nodes and the gateway are stopped, Redis is killed,
 and the module fails if a namespace, nft table or VMM process of either prefix is left
 (``tests.server.conftest.serving``).
@@ -11,6 +12,8 @@ and the module fails if a namespace, nft table or VMM process of either prefix i
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -41,6 +44,7 @@ class Cluster:
     redis: RedisServer
     nodes: dict[str, ServerProcess]
     gateway_url: str
+    shared: Path
 
     def api(self) -> httpx.Client:
         return httpx.Client(base_url=self.gateway_url, headers={"X-API-KEY": GATEWAY_KEY},
@@ -94,10 +98,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     with contextlib.ExitStack() as stack:
         redis = stack.enter_context(running_redis(root / "redis"))
         nodes: dict[str, ServerProcess] = {}
+        shared = root / "shared"
         for node_id, prefix, net in (("c1", "aenvc1", 71), ("c2", "aenvc2", 73)):
             srv = ServerProcess(root / node_id, prefix=prefix, net=net)
             srv.env.update({"AENV_CLUSTER": redis.url(2), "AENV_NODE_ID": node_id,
-                            "AENV_ADVERTISE_URL": srv.url, "AENV_CLUSTER_SECRET": SECRET})
+                            "AENV_ADVERTISE_URL": srv.url, "AENV_CLUSTER_SECRET": SECRET,
+                            "AENV_SHARED_STORE": str(shared)})
             nodes[node_id] = srv
             stack.callback(srv.stop)  # even when the other one's start fails first
         # Side by side: each start snapshots base (15-30 s under TCG).
@@ -113,7 +119,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             mp.setenv("E2B_API_URL", url)
             mp.setenv("E2B_SANDBOX_URL", url)
             mp.delenv("E2B_DOMAIN", raising=False)
-            yield Cluster(redis, nodes, url)
+            yield Cluster(redis, nodes, url, shared)
 
 
 def test_the_gateway_reports_both_nodes(cluster: Cluster) -> None:
@@ -230,3 +236,99 @@ def test_a_node_killed_with_sigkill_leaves_scheduling_within_its_ttl(cluster: Cl
             with contextlib.suppress(Exception):
                 s.kill()
     assert other.proc is not None and other.proc.poll() is None
+
+
+def _on_node(node: ServerProcess, method: str, path: str, **kw: object) -> httpx.Response:
+    """A call to one node's own API, as a gateway makes it (the cluster secret)."""
+    return httpx.request(method, node.url + path, headers={"X-Aenv-Cluster-Secret": SECRET},
+                         timeout=300, **kw)  # type: ignore[arg-type]
+
+
+def _as_if_taken_under_kvm(cluster: Cluster, sandbox_id: str) -> None:
+    """Fake what a node that paused under KVM would have published for ``sandbox_id``:
+    its bundle's, its offer's and the index's requirements name KVM and another CPU."""
+    offer_path = cluster.shared / "handover" / f"{sandbox_id}.json"
+    offer = json.loads(offer_path.read_text())
+    snap = offer["record"]["snapshot_id"].split(":", 1)[1]
+    ref = cluster.shared / "refs" / snap
+    bundle = json.loads((cluster.shared / "bundles/sha256" / ref.read_text()).read_text())
+    fake = {**bundle["requires"], "accel": "kvm", "cpu_model": "Imaginary CPU 9000"}
+    raw = json.dumps({**bundle, "requires": fake}, indent=1, sort_keys=True).encode()
+    digest = hashlib.sha256(raw).hexdigest()
+    (cluster.shared / "bundles/sha256" / digest).write_bytes(raw)
+    ref.write_text(digest)
+    offer_path.write_text(json.dumps({**offer, "requires": fake}))
+    with redis.Redis.from_url(cluster.redis.url(2), decode_responses=True) as r:
+        r.hset("aenv:requires", sandbox_id, json.dumps(fake, sort_keys=True))
+
+
+def test_a_sandbox_paused_on_a_node_killed_resumes_on_the_other(cluster: Cluster) -> None:
+    """Pause two sandboxes on c1 and SIGKILL it: connecting through the gateway resumes
+    the first on c2 from the shared store, files and a running process intact; the
+    second, faked as taken under KVM on another CPU, is refused with the reason and not
+    sent to c2, which refuses it too when asked directly. c1, back, lets the first go."""
+    victim, other = cluster.nodes["c1"], cluster.nodes["c2"]
+    ids: list[str] = []
+    try:
+        for _ in range(2):
+            r = _on_node(victim, "POST", "/sandboxes", json={"templateID": "base",
+                                                             "timeout": 600})
+            assert r.status_code == 201, r.text
+            ids.append(r.json()["sandboxID"])
+        moving, stuck = ids
+        sbx = Sandbox.connect(moving)
+        sbx.files.write("/home/user/kept.txt", "written on c1")
+        counter = sbx.commands.run(
+            "i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done",
+            background=True)
+        time.sleep(1)
+        before = int(sbx.files.read("/tmp/count"))
+        with cluster.api() as c:
+            for sid in ids:
+                assert c.post(f"/sandboxes/{sid}/pause").status_code == 204
+        assert {cluster.node_of(sid) for sid in ids} == {"c1"}
+        assert (cluster.shared / "handover" / f"{moving}.json").is_file()
+
+        victim.kill9()
+        killed_at = time.monotonic()
+        while cluster.statuses()["c1"] != "unhealthy":
+            assert time.monotonic() - killed_at < DEFAULT_TTL_S + 1.5, "still ready"
+            time.sleep(0.1)
+        _as_if_taken_under_kvm(cluster, stuck)
+
+        # The first comes back on c2, as it was.
+        sbx = Sandbox.connect(moving)
+        assert cluster.node_of(moving) == "c2"
+        assert sbx.files.read("/home/user/kept.txt") == "written on c1"
+        pid = counter.pid
+        alive = sbx.commands.run(f"kill -0 {pid} && cat /proc/{pid}/cmdline | tr '\\0' ' '")
+        assert "while" in alive.stdout
+        time.sleep(1)
+        after = int(sbx.files.read("/tmp/count"))
+        assert after > before  # counted on from its memory, not started again
+
+        # The second: no node can restore it, and it says why.
+        with cluster.api() as c:
+            r = c.post(f"/sandboxes/{stuck}/connect", json={"timeout": 60})
+        assert r.status_code == 409, r.text
+        assert r.json()["code"] == 409
+        assert "node c2: it needs the kvm accelerator" in r.json()["message"], r.text
+        assert _on_node(other, "GET", f"/sandboxes/{stuck}").status_code == 404  # not sent
+        r = _on_node(other, "POST", f"/sandboxes/{stuck}/connect", json={"timeout": 60})
+        assert r.status_code == 409, r.text
+        assert "cannot be resumed on this node" in r.json()["message"]
+        assert "Imaginary CPU 9000" in r.json()["message"]
+        assert (cluster.shared / "handover" / f"{stuck}.json").is_file()  # still offered
+    finally:
+        victim.start()
+    try:
+        # Back, c1 forgets the one c2 took (the index keeps it on c2) and keeps the other.
+        assert cluster.statuses()["c1"] == "ready"
+        assert cluster.node_of(moving) == "c2"
+        assert _on_node(victim, "GET", f"/sandboxes/{moving}").status_code == 404
+        assert cluster.node_of(stuck) == "c1"
+        assert Sandbox.connect(stuck).commands.run("echo home").stdout.strip() == "home"
+    finally:
+        for sid in ids:
+            with contextlib.suppress(Exception):
+                Sandbox.kill(sid)

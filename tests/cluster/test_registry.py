@@ -143,3 +143,18 @@ async def test_an_unreachable_redis_fails_no_call_of_the_agent() -> None:
     assert await agent.sync() is False
     await asyncio.sleep(0.3)         # a beat or two fail quietly
     await agent.close()
+
+
+async def test_a_paused_sandbox_taken_over_by_another_node_stays_indexed_there(
+        registry: Registry) -> None:
+    # a offered its paused s1 with its requirements; b resumed it; a, back, no longer has it
+    await registry.publish(rec("a", restores={"driver": "qemu"}),
+                           [IndexEntry("s1", running=False, requires='{"driver": "qemu"}')])
+    assert await registry.requires("s1") == {"driver": "qemu"}
+    assert (await registry.node("a")).record.restores == {"driver": "qemu"}  # type: ignore[union-attr]
+    await registry.publish(rec("b"), [IndexEntry("s1")])
+    assert await registry.locate("s1") == "b"
+    assert await registry.requires("s1") is None       # running: nobody else may take it
+    await registry.publish(rec("a"), [])
+    assert await registry.locate("s1") == "b"
+    assert await registry.node_sandboxes("b") == {"s1"}

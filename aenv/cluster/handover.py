@@ -1,0 +1,138 @@
+"""Paused sandboxes that another node may resume: the handover files of the shared store.
+
+When a node in a cluster with a shared store (``AENV_SHARED_STORE``) pauses a sandbox, it
+publishes the pause's snapshot (``aenv.storage.shared_store``) and then *offers* the
+sandbox: ``handover/<sandbox id>.json`` holds its record (paused, naming that snapshot) and
+the snapshot's portability requirements.
+
+Whoever resumes the sandbox first *claims* it: an atomic rename of that file (one directory,
+one name: exactly one rename succeeds, on NFS and CephFS too). The node that paused it
+claims it before its own resume; another node (sent by a gateway because the first one is
+gone or full) claims it, inserts the record into its own store and resumes it from the
+fetched snapshot. The loser of the race, and a node that comes back to find its paused
+sandbox claimed (``moved``: its record names a snapshot that is published, and the offer
+is gone or names another snapshot), drops its record: the sandbox lives elsewhere now.
+
+A node that pauses a sandbox again offers it again, with the new snapshot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+from ..storage import durable
+from ..storage.image_ref import ImageRef
+from ..storage.shared_store import SharedStore
+from ..store import SandboxRecord, SandboxState
+
+log = logging.getLogger("aenv.cluster")
+
+HANDOVER = "handover"
+
+
+@dataclasses.dataclass(frozen=True)
+class Offer:
+    record: SandboxRecord
+    requires: dict[str, Any]
+    node_id: str
+
+
+class Handover:
+    def __init__(self, store: SharedStore, node_id: str) -> None:
+        self.store = store
+        self.node_id = node_id
+
+    @property
+    def directory(self) -> Path:
+        return self.store.root / HANDOVER
+
+    def _path(self, sandbox_id: str) -> Path:
+        if not sandbox_id or "/" in sandbox_id or sandbox_id.startswith("."):
+            raise ValueError(f"bad sandbox id {sandbox_id!r}")
+        return self.directory / f"{sandbox_id}.json"
+
+    def offer(self, rec: SandboxRecord, requires: dict[str, Any]) -> None:
+        """Offer the paused ``rec`` (its ``snapshot_id`` published) to every node."""
+        paused = dataclasses.replace(rec, state=SandboxState.PAUSED, vm_dir=None, vm_pid=None,
+                                     slot=None, host_ip=None, restored_from=None, seq=0)
+        data = {"record": _record_json(paused), "requires": requires, "node": self.node_id}
+        path = self._path(rec.id)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{self.node_id}.{secrets.token_hex(6)}")
+        durable.write_atomic(tmp, json.dumps(data).encode())
+        os.replace(tmp, path)
+        durable.fsync_dir(path.parent)
+
+    def peek(self, sandbox_id: str) -> Offer | None:
+        """The offer of ``sandbox_id``, without claiming it."""
+        try:
+            raw = self._path(sandbox_id).read_bytes()
+        except (FileNotFoundError, ValueError):
+            return None
+        return _offer(raw)
+
+    def claim(self, sandbox_id: str) -> Offer | None:
+        """Take the offer of ``sandbox_id`` (None: there is none, or another node took it
+        first)."""
+        path = self._path(sandbox_id)
+        taken = path.with_name(f".{path.name}.claimed.{self.node_id}.{secrets.token_hex(6)}")
+        try:
+            os.rename(path, taken)
+        except FileNotFoundError:
+            return None
+        try:
+            return _offer(taken.read_bytes())
+        finally:
+            taken.unlink(missing_ok=True)
+            durable.fsync_dir(path.parent)
+
+    def put_back(self, offer: Offer) -> None:
+        """Offer again what a claim took and could not resume."""
+        self.offer(offer.record, offer.requires)
+
+    def published(self, rec: SandboxRecord) -> bool:
+        """Whether ``rec``'s pause snapshot is in the shared store."""
+        sid = _snapshot_id(rec.snapshot_id)
+        return sid is not None and self.store.has(sid)
+
+    def moved(self, rec: SandboxRecord) -> bool:
+        """Whether the paused ``rec`` was claimed by another node: its snapshot was
+        published and offered, and the offer is gone or names another snapshot."""
+        if rec.state != SandboxState.PAUSED or not self.published(rec):
+            return False
+        offer = self.peek(rec.id)
+        return offer is None or offer.record.snapshot_id != rec.snapshot_id
+
+
+def _snapshot_id(ref: str | None) -> str | None:
+    if not ref:
+        return None
+    try:
+        parsed = ImageRef.parse(ref)
+    except ValueError:
+        return None
+    return parsed.id if parsed.is_snapshot else None
+
+
+def _record_json(rec: SandboxRecord) -> dict[str, Any]:
+    out = dataclasses.asdict(rec)
+    out["state"] = str(rec.state.value)
+    return out
+
+
+def _offer(raw: bytes) -> Offer | None:
+    try:
+        data = json.loads(raw)
+        fields = {f.name for f in dataclasses.fields(SandboxRecord)}
+        rec = SandboxRecord(**{k: v for k, v in data["record"].items() if k in fields})
+        rec.state = SandboxState(rec.state)
+        return Offer(rec, dict(data.get("requires") or {}), str(data.get("node", "")))
+    except (ValueError, KeyError, TypeError) as e:
+        log.warning("unreadable handover offer: %s", e)
+        return None
