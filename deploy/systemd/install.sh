@@ -2,7 +2,9 @@
 # Install aenv as a systemd service on a Debian 12 / Ubuntu host, from this checkout or a
 # wheel: the Debian packages (deploy/host-packages.sh), a venv in /opt/aenv, the unit
 # /etc/systemd/system/aenv.service and its settings /etc/default/aenv (kept when present),
-# then `systemctl daemon-reload` and `enable`. It never starts or restarts the service.
+# the cluster gateway's unit aenv-gateway.service and /etc/default/aenv-gateway (written,
+# not enabled), then `systemctl daemon-reload` and `enable` (aenv.service only). It
+# never starts or restarts a service.
 # Running it again upgrades aenv in place. --dry-run prints the plan and changes nothing.
 set -euo pipefail
 
@@ -42,6 +44,8 @@ PYTHON=${PYTHON:-/usr/bin/python3}
 venv="$root$prefix"
 unit="$root/etc/systemd/system/aenv.service"
 envfile="$root/etc/default/aenv"
+gateway_unit="$root/etc/systemd/system/aenv-gateway.service"
+gateway_envfile="$root/etc/default/aenv-gateway"
 
 say() { echo "install: $*"; }
 warn() { echo "install: warning: $*" >&2; }
@@ -145,6 +149,13 @@ install_files() {
   else
     # 0600: it may get AENV_API_KEY.
     write "$here/aenv.env" "$envfile" 0600
+  fi
+  # The cluster gateway (docs/install.md, "Many nodes"): written, never enabled here.
+  write "$here/aenv-gateway.service" "$gateway_unit" 0644
+  if [ -e "$gateway_envfile" ]; then
+    say "keeping $gateway_envfile (yours); the template is $here/aenv-gateway.env"
+  else
+    write "$here/aenv-gateway.env" "$gateway_envfile" 0600
   fi
 }
 
