@@ -63,6 +63,15 @@ class Cluster:
 
 @contextlib.contextmanager
 def gateway(redis: RedisServer, home: Path) -> Iterator[str]:
+    """``aenv gateway`` on a free port over ``redis``'s DB 2; yields its URL."""
+    with gateway_process(redis, home) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def gateway_process(redis: RedisServer, home: Path
+                    ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """``gateway``, also yielding the process (to kill it)."""
     port = free_port()
     home.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "AENV_HOME": str(home), "AENV_API_KEY": GATEWAY_KEY,
@@ -82,7 +91,7 @@ def gateway(redis: RedisServer, home: Path) -> Iterator[str]:
                     break
             assert time.monotonic() < deadline, "gateway did not start"
             time.sleep(0.1)
-        yield url
+        yield url, proc
     finally:
         proc.terminate()
         try:
@@ -190,16 +199,56 @@ def test_sandboxes_spread_over_both_nodes_and_work_through_the_gateway(
                 s.kill()
 
 
+def test_a_gateway_killed_leaves_every_sandbox_to_the_other(
+        cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two gateways over the same Redis and nodes: sandboxes made through the second one
+    (one on each node) run commands through both; after a SIGKILL of the second, the SDK
+    pointed at the survivor (the module's gateway) serves every one of them."""
+    made: list[str] = []
+    with gateway_process(cluster.redis, tmp_path / "gateway2") as (second, proc):
+        with monkeypatch.context() as mp:
+            mp.setenv("E2B_API_URL", second)
+            mp.setenv("E2B_SANDBOX_URL", second)
+            through_second = [Sandbox.create("base") for _ in range(2)]
+            made = [s.sandbox_id for s in through_second]
+            for s in through_second:
+                s.files.write("/home/user/via.txt", f"made through {second}")
+                assert s.commands.run("echo two").stdout.strip() == "two"
+        assert {cluster.node_of(i) for i in made} == {"c1", "c2"}
+        for i in made:   # the first gateway serves them too, while both live
+            assert Sandbox.connect(i).commands.run("echo one").stdout.strip() == "one"
+        proc.kill()
+        proc.wait(10)
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(second + "/health", timeout=2)
+        with pytest.raises(Exception):  # noqa: B017  (the SDK's class varies)
+            through_second[0].commands.run("true", request_timeout=10)
+    try:
+        for i in made:
+            survivor = Sandbox.connect(i)
+            assert survivor.commands.run("echo survived").stdout.strip() == "survived"
+            assert survivor.files.read("/home/user/via.txt").startswith("made through")
+        assert set(made) <= {s.sandbox_id for s in Sandbox.list().next_items()}
+        with cluster.api() as c:
+            assert all(c.delete(f"/sandboxes/{i}").status_code == 204 for i in made)
+        made = []
+    finally:
+        for i in made:
+            with contextlib.suppress(Exception):
+                Sandbox.kill(i)
+
+
 def test_redis_restarted_empty_is_filled_again_by_the_nodes(cluster: Cluster) -> None:
     sbx = Sandbox.create("base")
     try:
         home = cluster.node_of(sbx.sandbox_id)
         cluster.redis.restart_empty()
         restarted = time.monotonic()
-        while cluster.node_of(sbx.sandbox_id) != home:
+        # each node republishes at its own next heartbeat: wait for both, not just one
+        while (cluster.node_of(sbx.sandbox_id) != home
+               or cluster.statuses() != {"c1": "ready", "c2": "ready"}):
             assert time.monotonic() - restarted < 10, "routing not whole again in 10 s"
             time.sleep(0.1)
-        assert cluster.statuses() == {"c1": "ready", "c2": "ready"}
         assert sbx.commands.run("echo still here").stdout.strip() == "still here"
     finally:
         sbx.kill()
@@ -328,6 +377,34 @@ def test_a_sandbox_paused_on_a_node_killed_resumes_on_the_other(cluster: Cluster
         assert _on_node(victim, "GET", f"/sandboxes/{moving}").status_code == 404
         assert cluster.node_of(stuck) == "c1"
         assert Sandbox.connect(stuck).commands.run("echo home").stdout.strip() == "home"
+    finally:
+        for sid in ids:
+            with contextlib.suppress(Exception):
+                Sandbox.kill(sid)
+
+
+def test_a_persistent_snapshot_taken_on_one_node_starts_on_the_other(
+        cluster: Cluster) -> None:
+    """A snapshot taken (through the gateway) of a sandbox on c1 creates a sandbox on c2,
+    which never saw it: its record and files come from the shared store."""
+    r = _on_node(cluster.nodes["c1"], "POST", "/sandboxes",
+                 json={"templateID": "base", "timeout": 300})
+    assert r.status_code == 201, r.text
+    ids = [r.json()["sandboxID"]]
+    try:
+        Sandbox.connect(ids[0]).files.write("/home/user/snap.txt", "taken on c1")
+        with cluster.api() as c:
+            r = c.post(f"/sandboxes/{ids[0]}/snapshots", json={})
+            assert r.status_code == 201, r.text
+        snap = r.json()["snapshotID"]
+        assert _on_node(cluster.nodes["c2"], "GET", f"/snapshots/{snap}").status_code == 404
+        r = _on_node(cluster.nodes["c2"], "POST", "/sandboxes",
+                     json={"templateID": snap, "timeout": 300})
+        assert r.status_code == 201, r.text
+        ids.append(r.json()["sandboxID"])
+        assert cluster.node_of(ids[1]) == "c2"
+        assert Sandbox.connect(ids[1]).files.read("/home/user/snap.txt") == "taken on c1"
+        assert _on_node(cluster.nodes["c2"], "GET", f"/snapshots/{snap}").status_code == 200
     finally:
         for sid in ids:
             with contextlib.suppress(Exception):
