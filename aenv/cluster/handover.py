@@ -25,11 +25,12 @@ import os
 import secrets
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from ..storage import durable
 from ..storage.image_ref import ImageRef
 from ..storage.shared_store import SharedStore
-from ..store import SandboxRecord, SandboxState
+from ..store import BuildStatus, SandboxRecord, SandboxState, TemplateKind, TemplateRecord
 
 log = logging.getLogger("aenv.cluster")
 
@@ -136,3 +137,51 @@ def _offer(raw: bytes) -> Offer | None:
     except (ValueError, KeyError, TypeError) as e:
         log.warning("unreadable handover offer: %s", e)
         return None
+
+
+# -- templates and persistent snapshots ----------------------------------------------------
+
+TEMPLATES = "templates"
+
+
+class SharedTemplates:
+    """Template and persistent-snapshot records in the shared store, so that a node that
+    does not know one (it was built or taken on another node) can start sandboxes from
+    it: ``templates/<id>.json`` is the record (its image a published snapshot), and
+    ``templates/ref/<quoted id or name>`` the id each of its names resolves to. Written
+    like the rest of the store (temporary name, fsync, rename); the record first, so a
+    name found always resolves."""
+
+    def __init__(self, store: SharedStore) -> None:
+        self.store = store
+
+    @property
+    def directory(self) -> Path:
+        return self.store.root / TEMPLATES
+
+    def put(self, rec: TemplateRecord) -> None:
+        data = dataclasses.asdict(rec)
+        data["kind"], data["status"] = str(rec.kind.value), str(rec.status.value)
+        data.update(last_spawned_at=None, spawn_count=0)
+        _write(self.directory / f"{quote(rec.id, safe='')}.json", json.dumps(data).encode())
+        for ref in (rec.id, *rec.names):
+            _write(self.directory / "ref" / quote(ref, safe=""), rec.id.encode())
+
+    def get(self, id_or_name: str) -> TemplateRecord | None:
+        try:
+            tid = (self.directory / "ref" / quote(id_or_name, safe="")).read_text().strip()
+            data = json.loads((self.directory / f"{quote(tid, safe='')}.json").read_bytes())
+            fields = {f.name for f in dataclasses.fields(TemplateRecord)}
+            rec = TemplateRecord(**{k: v for k, v in data.items() if k in fields})
+            rec.kind, rec.status = TemplateKind(rec.kind), BuildStatus(rec.status)
+            return rec
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+
+def _write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}")
+    durable.write_atomic(tmp, data)
+    os.replace(tmp, path)
+    durable.fsync_dir(path.parent)

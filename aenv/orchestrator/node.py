@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..client.envd import EnvdClient
-from ..cluster.handover import Handover
+from ..cluster.handover import Handover, SharedTemplates
 from ..cluster.node_setup import node_id, restores
 from ..config import Settings
 from ..envd import ENVD_PORT
@@ -120,9 +120,11 @@ class NodeMachines:
         # ``handover`` offers paused sandboxes to the other nodes (``aenv.cluster``).
         self.shared: shared_store.SharedStore | None = None
         self.handover: Handover | None = None
+        self.shared_templates: SharedTemplates | None = None
         if settings.shared_store is not None:
             self.shared = shared_store.SharedStore(settings.shared_store)
             self.handover = Handover(self.shared, node_id(settings))
+            self.shared_templates = SharedTemplates(self.shared)
 
     # -- node life ------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..cluster.handover import Handover, Offer
+from ..cluster.handover import Handover, Offer, SharedTemplates
 from ..storage.image_ref import ImageRef
 from ..store import (
     VM_STATES,
@@ -32,6 +32,7 @@ from ..store import (
     TemplateRecord,
     TemplateStore,
 )
+from ..store.templates import NameTaken
 from .admission import Admission, Ask, Budget
 from .errors import (
     Conflict,
@@ -154,6 +155,8 @@ class Orchestrator:
 
     def template(self, id_or_name: str) -> TemplateRecord:
         tpl = self.templates.get(id_or_name)
+        if tpl is None:
+            tpl = self._import_template(id_or_name)
         if tpl is None or tpl.status != BuildStatus.READY:
             raise TemplateNotFound(id_or_name)
         return tpl
@@ -276,7 +279,9 @@ class Orchestrator:
         snap = persistent_snapshot(snap_id, rec, self.templates.get(rec.template_id), ref,
                                    name=name, now=now)
         self.templates.insert(snap)
-        return self.templates.get(snap_id) or snap
+        made = self.templates.get(snap_id) or snap
+        self._share_template(made)
+        return made
 
     async def _capture(self, rec: SandboxRecord, state: SandboxState, ref: str) -> None:
         """Freeze-capture-thaw ``rec`` (its lock held) through ``state`` into ``ref``
@@ -388,6 +393,10 @@ class Orchestrator:
                 await self.machines.stop(rec)
                 raise
             self.templates.update(tpl.id, image=ref, build_id=key, envd_token=rec.envd_token)
+        if tpl.id != BASE_TEMPLATE:  # every node snapshots its own base
+            made = self.templates.get(tpl.id)
+            if made is not None:
+                self._share_template(made)
         log.info("template %s: snapshot %s ready in %.1f s", tpl.id, ref, timer.elapsed())
         await self.collect_garbage()
 
@@ -632,6 +641,41 @@ class Orchestrator:
         log.info("sandbox %s: taken over from node %s (paused there)", sandbox_id,
                  claimed.node_id)
         return self.get(sandbox_id), claimed
+
+    @property
+    def shared_templates(self) -> SharedTemplates | None:
+        s = getattr(self.machines, "shared_templates", None)
+        return s if isinstance(s, SharedTemplates) else None
+
+    def _share_template(self, tpl: TemplateRecord) -> None:
+        """Put a template or persistent snapshot whose image was published to the shared
+        store there too, so that any node can start sandboxes from it."""
+        shelf, handover = self.shared_templates, self.handover
+        if shelf is None or handover is None or not tpl.image:
+            return
+        try:
+            image = ImageRef.parse(tpl.image)
+            if image.is_snapshot and handover.store.has(image.id):
+                shelf.put(tpl)
+        except Exception:
+            log.exception("template %s: not shared with the cluster", tpl.id)
+
+    def _import_template(self, id_or_name: str) -> TemplateRecord | None:
+        """A template or persistent snapshot another node shared (``_share_template``),
+        recorded here; None when there is none."""
+        shelf = self.shared_templates
+        if shelf is None:
+            return None
+        rec = shelf.get(id_or_name)
+        if rec is None or rec.status != BuildStatus.READY or not rec.image:
+            return None
+        if self.templates.get(rec.id) is None:
+            try:
+                self.templates.insert(rec)
+            except NameTaken:  # a name used here by another template: by id only
+                self.templates.insert(dataclasses.replace(rec, names=[]))
+            log.info("template %s: taken from the shared store", rec.id)
+        return self.templates.get(id_or_name) or self.templates.get(rec.id)
 
     def drop_moved(self) -> int:
         """End the paused sandboxes that another node claimed (resumed there while this

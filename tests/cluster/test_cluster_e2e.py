@@ -382,3 +382,30 @@ def test_a_sandbox_paused_on_a_node_killed_resumes_on_the_other(cluster: Cluster
             with contextlib.suppress(Exception):
                 Sandbox.kill(sid)
 
+
+def test_a_persistent_snapshot_taken_on_one_node_starts_on_the_other(
+        cluster: Cluster) -> None:
+    """A snapshot taken (through the gateway) of a sandbox on c1 creates a sandbox on c2,
+    which never saw it: its record and files come from the shared store."""
+    r = _on_node(cluster.nodes["c1"], "POST", "/sandboxes",
+                 json={"templateID": "base", "timeout": 300})
+    assert r.status_code == 201, r.text
+    ids = [r.json()["sandboxID"]]
+    try:
+        Sandbox.connect(ids[0]).files.write("/home/user/snap.txt", "taken on c1")
+        with cluster.api() as c:
+            r = c.post(f"/sandboxes/{ids[0]}/snapshots", json={})
+            assert r.status_code == 201, r.text
+        snap = r.json()["snapshotID"]
+        assert _on_node(cluster.nodes["c2"], "GET", f"/snapshots/{snap}").status_code == 404
+        r = _on_node(cluster.nodes["c2"], "POST", "/sandboxes",
+                     json={"templateID": snap, "timeout": 300})
+        assert r.status_code == 201, r.text
+        ids.append(r.json()["sandboxID"])
+        assert cluster.node_of(ids[1]) == "c2"
+        assert Sandbox.connect(ids[1]).files.read("/home/user/snap.txt") == "taken on c1"
+        assert _on_node(cluster.nodes["c2"], "GET", f"/snapshots/{snap}").status_code == 200
+    finally:
+        for sid in ids:
+            with contextlib.suppress(Exception):
+                Sandbox.kill(sid)

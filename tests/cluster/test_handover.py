@@ -61,3 +61,21 @@ def test_a_new_pause_elsewhere_is_a_move_too(tmp_path: Path) -> None:
     b.offer(_paused("s2"), {})                             # b resumed, then paused it again
     assert a.moved(dataclasses.replace(_paused("s1"), state=SandboxState.PAUSED))
     assert not b.moved(dataclasses.replace(_paused("s2"), state=SandboxState.PAUSED))
+
+
+def test_a_shared_template_resolves_by_id_and_by_name(tmp_path: Path) -> None:
+    from aenv.cluster.handover import SharedTemplates
+    from aenv.store import BuildStatus, TemplateKind, TemplateRecord
+
+    shelf = SharedTemplates(SharedStore(tmp_path))
+    rec = TemplateRecord(id="t1", kind=TemplateKind.SNAPSHOT, build_id="b",
+                         status=BuildStatus.READY, cpu_count=1, memory_mb=512,
+                         disk_size_mb=2048, created_at=1.0, updated_at=2.0,
+                         image="snapshot:s1", envd_token="tok", spawn_count=7,
+                         names=["team/snap:default"], env_vars={"A": "1"})
+    shelf.put(rec)
+    for ref in ("t1", "team/snap:default"):
+        got = shelf.get(ref)
+        assert got == dataclasses.replace(rec, spawn_count=0), ref
+        assert got is not None and got.kind is TemplateKind.SNAPSHOT
+    assert shelf.get("nope") is None and shelf.get("team") is None
