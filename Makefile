@@ -1,5 +1,5 @@
 # The README's two commands: `make run` and `make test`. Both set up what is missing first.
-.PHONY: setup run test test-fast proto lint clean e2b-suite
+.PHONY: setup run test test-fast proto lint clean e2b-suite cluster cluster-stop
 
 VENV := .venv
 
@@ -11,6 +11,14 @@ run: setup
 
 test: setup
 	@$(VENV)/bin/pytest
+
+# A cluster on this host (issue 18): Redis, two nodes and a gateway, driven by the E2B SDK
+# (scripts/cluster.sh; docs/install.md "Many nodes"). cluster-stop stops all of it.
+cluster: setup
+	@./scripts/cluster.sh
+
+cluster-stop:
+	@./scripts/cluster-stop.sh
 
 # The quick loop: every test that needs no VM, no network namespaces and no node, and is
 # not marked slow (markers: pyproject.toml). make test still runs everything.

@@ -431,5 +431,6 @@ def test_docs_walk_through_each_cluster_deployment():
     for needed in ("kubectl apply -k deploy/k8s-cluster",
                    "deploy/k8s-cluster/create-cluster-secret.sh",
                    "docker compose -f deploy/docker-compose.cluster.yml up",
-                   "deploy/systemd/aenv-gateway.service", "/etc/default/aenv-gateway"):
+                   "deploy/systemd/aenv-gateway.service", "/etc/default/aenv-gateway",
+                   "make cluster", "make cluster-stop"):
         assert needed in doc, needed
