@@ -28,12 +28,11 @@ def _sources() -> list[Path]:
 
 
 def key() -> str:
+    """The libraries' key: the package list, the platforms and the guest's Python."""
     h = hashlib.sha256()
     for part in (*template.PACKAGES, *template.PLATFORMS, *template.PRUNE_DIRS,
                  template.GUEST_PYTHON):
         h.update(part.encode() + b"\0")
-    for src in _sources():
-        h.update(src.name.encode() + b"\0" + src.read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -48,11 +47,32 @@ def pip_command(target: Path) -> list[str]:
 
 
 def stage(cache_dir: Path) -> Path:
-    """The build context directory (holding ``site``), staged once per ``key``."""
+    """The build context directory: ``site`` (the libraries, staged once per ``key``) and
+    ``server/aenv`` (the server's source, refreshed on every build: a few small files)."""
     root = cache_dir / "interpreter-template"
     context = root / key()
-    if (context / "site").is_dir():
-        return context
+    if not (context / "site").is_dir():
+        _stage_site(root, context)
+    server = Path(tempfile.mkdtemp(prefix=".server-", dir=context))
+    try:
+        server.chmod(0o755)
+        dest = server / "aenv"
+        (dest / "interpreter").mkdir(parents=True)
+        for src in _sources():
+            is_top = src.name == "__init__.py" and src.parent.name == "aenv"
+            shutil.copy2(src, dest / src.name if is_top else dest / "interpreter" / src.name)
+        subprocess.run([sys.executable, "-m", "compileall", "-q", str(dest)], check=False)
+        old = context / "server"
+        if old.exists():
+            old.rename(server.with_name(server.name + ".old"))
+        server.rename(old)
+    finally:
+        for leftover in context.glob(".server-*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+    return context
+
+
+def _stage_site(root: Path, context: Path) -> None:
     root.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".staging-", dir=root))
     work.chmod(0o755)
@@ -67,18 +87,9 @@ def stage(cache_dir: Path) -> Path:
                 if d.is_dir() and (d.parent / "__init__.py").exists():
                     shutil.rmtree(d)
         shutil.rmtree(site / "bin", ignore_errors=True)  # console scripts name this host's python
-        dest = site / "aenv"
-        (dest / "interpreter").mkdir(parents=True)
-        for src in _sources():
-            target = dest / src.name if src.name == "__init__.py" and src.parent.name == "aenv" \
-                else dest / "interpreter" / src.name
-            shutil.copy2(src, target)
-        subprocess.run([sys.executable, "-m", "compileall", "-q", str(dest)], check=False)
-        context.parent.mkdir(parents=True, exist_ok=True)
         work.rename(context)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return context
 
 
 def recipe() -> Recipe:

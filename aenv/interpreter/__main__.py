@@ -26,13 +26,15 @@ def main(argv: list[str] | None = None) -> None:
                         help="comma-separated languages whose default context starts at once")
     parser.add_argument("--envd-envs-url", default=ENVD_ENVS_URL,
                         help="where the sandbox's env vars come from ('' for nowhere)")
+    parser.add_argument("--preload", default=None,
+                        help="python run (hidden) in the default python context at start")
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper())
     cwd = args.cwd if os.path.isdir(args.cwd) else os.getcwd()
     kernels = Kernels(cwd, args.envd_envs_url or None)
     languages = tuple(x for x in args.languages.split(",") if x)
-    app = create_app(kernels, languages)
+    app = create_app(kernels, languages, args.preload)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=5)
 

@@ -89,6 +89,14 @@ def result_line(bundle: dict[str, Any], main: bool) -> dict[str, Any]:
     return line
 
 
+def _permanent_env_code(language: str, envs: dict[str, str]) -> str | None:
+    if language == "python":
+        return f"__import__('os').environ.update({json.dumps(envs)})"
+    if language == "bash":
+        return "\n".join(f"export {k}={json.dumps(v)}" for k, v in envs.items())
+    return None
+
+
 def _env_code(language: str, envs: dict[str, str], restore: bool) -> str | None:
     """A hidden cell that sets ``envs`` for one run (or puts the previous values back)."""
     if language in ("python",):
@@ -181,6 +189,15 @@ class Kernels:
             ctx = await self.create(language)
             self.defaults[language] = ctx.id
             return ctx
+
+    async def preload(self, ctx: Context, code: str) -> None:
+        """Run ``code`` (imports, for the snapshot) in a hidden cell, its names kept out of
+        the user's namespace; an error in it is ignored."""
+        body = "\n".join("    " + line for line in code.splitlines()) or "    pass"
+        async with ctx.lock:
+            await self._hidden(ctx, f"def __aenv_preload():\n{body}\n"
+                                    "try:\n    __aenv_preload()\nfinally:\n"
+                                    "    del __aenv_preload\n")
 
     async def restart(self, ctx: Context) -> None:
         ctx.restarting = True
@@ -279,18 +296,19 @@ class Kernels:
                     lines.put_nowait({"type": "error", "name": "ContextNotFound",
                                       "value": f"context {ctx.id} was removed", "traceback": ""})
                     return
+                # One hidden cell before the code: the sandbox's env vars (first run of the
+                # context; they stay) and this run's (put back after it).
+                cells = []
                 if not ctx.sandbox_envs_loaded:
                     ctx.sandbox_envs_loaded = True
                     sandbox_envs = await asyncio.to_thread(self._sandbox_envs, access_token)
-                    setup = _env_code(ctx.language, sandbox_envs, restore=False)
-                    if sandbox_envs and setup:
-                        await self._hidden(ctx, setup)
-                        # these stay: drop the saved values the restore cell would use
-                        if ctx.language == "python":
-                            await self._hidden(ctx, "del __aenv_saved_env")
+                    if sandbox_envs:
+                        cells.append(_permanent_env_code(ctx.language, sandbox_envs))
                 setup = _env_code(ctx.language, envs, restore=False) if envs else None
-                if setup:
-                    await self._hidden(ctx, setup)
+                cells.append(setup)
+                hidden = "\n".join(c for c in cells if c)
+                if hidden:
+                    await self._hidden(ctx, hidden)
                 try:
                     await self._stream(ctx, client, code, lines)
                 finally:

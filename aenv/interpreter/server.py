@@ -37,14 +37,18 @@ async def _body(request: Request) -> dict[str, Any]:
     return data
 
 
-def create_app(kernels: Kernels, start_languages: tuple[str, ...] = ("python",)) -> Starlette:
+def create_app(kernels: Kernels, start_languages: tuple[str, ...] = ("python",),
+               preload: str | None = None) -> Starlette:
     @asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         for language in start_languages:
             try:
-                await kernels.default(language)
+                ctx = await kernels.default(language)
             except UnknownLanguage as exc:
                 log.warning("%s", exc)
+                continue
+            if preload and ctx.language == "python":
+                await kernels.preload(ctx, preload)
         try:
             yield
         finally:

@@ -3,7 +3,7 @@
 What E2B's code-interpreter template offers, from PyPI: the kernel (ipykernel, jupyter_client)
 and the everyday data libraries. They are installed on the host, for the guest's Python
 (``GUEST_PYTHON``, Debian bookworm's 3.11) and platform, into one directory (``site``) that
-the build COPYs to ``SITE`` together with ``aenv/interpreter``; a ``.pth`` file puts it on
+the build COPYs to ``SITE``, and ``aenv/interpreter`` beside them; a ``.pth`` file puts it on
 every guest ``python3``'s path, so the kernel, ``commands.run("python3 ...")`` and the server
 see the same libraries. Installing wheels inside an emulated guest is what this avoids.
 
@@ -44,19 +44,23 @@ PLATFORMS = tuple(f"{tag}_x86_64" for tag in (
 # Test suites the libraries ship (pandas alone ~45 MB): nothing imports them.
 PRUNE_DIRS = ("tests",)
 
+# The default python kernel imports these before the snapshot (as E2B's kernel start-up
+# does), so a sandbox's first ``import pandas`` or plot does not pay for it under emulation.
+PRELOAD = "import numpy, pandas, matplotlib.pyplot"
 START_CMD = (f"python3 -m aenv.interpreter --host 0.0.0.0 --port 49999 --cwd {HOME}"
-             " --log-level warning")
+             f" --preload '{PRELOAD}' --log-level warning")
 READY_CMD = "curl -sf http://127.0.0.1:49999/health"
 
 
 def dockerfile() -> str:
-    """The build steps; ``site`` (the context directory's one entry) is the staged libraries
-    with ``aenv/__init__.py`` and ``aenv/interpreter`` beside them."""
+    """The build steps; the context directory holds ``site`` (the staged libraries) and
+    ``server/aenv`` (``aenv/__init__.py`` and ``aenv/interpreter``)."""
     return "\n".join([
         "FROM base",
         f"RUN python3 -c 'import sys; v = \"%d.%d\" % sys.version_info[:2]; "
         f"assert v == \"{GUEST_PYTHON}\", \"the guest has Python \" + v'",
         f"COPY site {SITE}",
+        f"COPY server/aenv {SITE}/aenv",
         f"RUN mkdir -p $(dirname {PTH}) && echo {SITE} > {PTH}",
         # matplotlib's font cache, built once here rather than in every sandbox's first plot
         f"USER {USER}",

@@ -33,7 +33,7 @@ from tests.conftest import PYTHON, ROOT, free_port, stop_process, wait_http  # n
 
 
 class Server:
-    def __init__(self, home: Path) -> None:
+    def __init__(self, home: Path, *extra: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.home = home
@@ -41,7 +41,7 @@ class Server:
         self.log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [PYTHON, "-m", "aenv.interpreter", "--host", "127.0.0.1", "--port", str(self.port),
-             "--cwd", str(home), "--envd-envs-url", "", "--log-level", "info"],
+             "--cwd", str(home), "--envd-envs-url", "", "--log-level", "info", *extra],
             cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         self.kernel_pids: set[int] = set()
@@ -59,7 +59,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = Server(tmp_path_factory.mktemp("interpreter"))
+    s = Server(tmp_path_factory.mktemp("interpreter"), "--preload", "import colorsys")
     yield s
     s.stop()
 
@@ -89,6 +89,12 @@ def test_value_logs_and_execution_count(sbx: Sandbox, server: Server) -> None:
     assert again.text == "hello"  # one pair of quotes stripped, as E2B's server does
     assert again.execution_count == first.execution_count + 1
     assert sbx.run_code("x = 1").results == []
+
+
+def test_preload_imports_without_names(sbx: Sandbox) -> None:
+    ex = sbx.run_code("import sys; ('colorsys' in sys.modules, 'colorsys' in globals(), "
+                      "'__aenv_preload' in globals())")
+    assert ex.text == "(True, False, False)"
 
 
 def test_rich_results(sbx: Sandbox) -> None:

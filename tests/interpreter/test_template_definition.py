@@ -13,9 +13,12 @@ def test_recipe_copies_the_staged_site_and_starts_the_server_as_user() -> None:
                       templates={"base"})
     assert spec["fromTemplate"] == "base"
     kinds = [s["type"] for s in spec["steps"]]
-    assert kinds.count("COPY") == 1 and kinds.index("COPY") < kinds.index("USER")
-    copy = next(s for s in spec["steps"] if s["type"] == "COPY")
-    assert copy["args"][:2] == ["site", template.SITE] and copy["filesHash"] == "h"
+    assert kinds.count("COPY") == 2 and kinds.index("COPY") < kinds.index("USER")
+    copies = [s for s in spec["steps"] if s["type"] == "COPY"]
+    assert [c["args"][:2] for c in copies] == [["site", template.SITE],
+                                               ["server/aenv", template.SITE + "/aenv"]]
+    assert all(c["filesHash"] == "h" for c in copies)
+    assert "--preload" in spec["startCmd"]
     assert [k for k in kinds if k in ("USER", "WORKDIR")] == ["USER", "WORKDIR"]
     assert "aenv.interpreter" in spec["startCmd"] and "--port 49999" in spec["startCmd"]
     assert "49999/health" in spec["readyCmd"]
