@@ -22,8 +22,17 @@ One listener, as a node has (``aenv.proxy.front.Front`` decides per request):
   which every node applies to its own list. Nodes that do not answer are left out and
   named in ``x-aenv-unreachable-nodes``. ``/sandboxes/{id}/...`` (and
   ``/v2/sandboxes/{id}/connect``) goes to the sandbox's node. ``GET /nodes`` and
-  ``GET /nodes/{id}`` report the registry. Anything else (templates, snapshots) answers
-  501 for now.
+  ``GET /nodes/{id}`` report the registry.
+- Templates: a build request (``POST /v3/templates``) goes to a ready node with room,
+  and the template's id and aliases are routed to that node from then on (Redis
+  ``templates``): its files, build, status and tag calls go there (to the first node that
+  knows it when that node is gone); a delete goes to every node. Template and snapshot
+  lists merge every node's, without repeats; ``/snapshots/{id}``, aliases and tags go to
+  the first node that knows them. A create prefers the nodes that hold its template
+  (Redis ``template:<ref>:nodes``: where it was built or already started; not ``base``,
+  which every node has), by ``scheduling.CACHE_PREFERENCE``. With a shared
+  store (``AENV_SHARED_STORE``) any node starts a template built elsewhere.
+  Anything else answers 501.
 - A resume or connect of a paused sandbox whose node is gone (past its TTL, or not
   answering) or full (429) goes to another ready node with room that can restore its
   snapshot (``NodeRecord.restores`` against the requirements the node published with it,
@@ -42,7 +51,7 @@ import logging
 import re
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -56,6 +65,7 @@ from ..api.errors import ApiError
 from ..api.listing import DEFAULT_LIMIT, decode_cursor
 from ..client.http import plain_client
 from ..envd.signing import Operation
+from ..orchestrator.template_records import BASE_TEMPLATE
 from ..proxy import ProxyRouter, Route, RouteTable
 from ..proxy.front import Front
 from ..storage.shared_store import incompatibilities
@@ -75,6 +85,11 @@ LIST_TIMEOUT_S = 10.0
 ROUTE_CACHE_S = 1.0
 ROUTE_CACHE_SIZE = 100_000
 _SANDBOX = re.compile(r"^(?:/v2)?/sandboxes/([^/]+)(?:/.*)?$")
+_TEMPLATE = re.compile(r"^(?:/v2)?/templates/(?!aliases/|tags/?$)([^/]+)(?:/.*)?$")
+_UPLOAD = re.compile(r"^/templates/([^/]+)/files/[^/]+/upload$")
+_FILES = re.compile(r"^/templates/[^/]+/files/[^/]+$")
+_TEMPLATE_LISTS = {"/templates": "templateID", "/v2/templates": "templateID",
+                   "/snapshots": "snapshotID"}
 _RESUMES = re.compile(r"^(?:/v2)?/sandboxes/[^/]+/(?:resume|connect)/?$")
 _CREATES = ("/sandboxes", "/v2/sandboxes")
 _NODE = re.compile(r"^/nodes/([^/]+)/?$")
@@ -194,6 +209,8 @@ class Gateway:
             if node is None:
                 return Reply.error(404, f"node '{m.group(1)}' not found")
             return Reply.json(200, node_view(node))
+        if method == "PUT" and (m := _UPLOAD.match(path)):
+            return await self._upload(scope, receive, m.group(1))
         body = await _body(receive)
         if body is None:
             return Reply.error(413, "request body too large")
@@ -203,6 +220,14 @@ class Gateway:
             return await self._list(scope)
         if m := _SANDBOX.match(path):
             return await self._to_owner(scope, body, m.group(1))
+        if path == "/v3/templates" and method == "POST":
+            return await self._build(scope, body)
+        if path in _TEMPLATE_LISTS and method == "GET":
+            return await self._merged(scope, _TEMPLATE_LISTS[path])
+        if m := _TEMPLATE.match(path):
+            return await self._to_template(scope, body, m.group(1))
+        if path.startswith(("/snapshots/", "/templates/aliases/", "/templates/tags")):
+            return await self._first_found(scope, body, None)
         return Reply.error(501, f"{method} {path} is not served through the gateway yet")
 
     def _request(self, node: NodeStatus, scope: Scope, body: bytes,
@@ -225,7 +250,11 @@ class Gateway:
         return Reply(response.status_code, headers, body)
 
     async def _create(self, scope: Scope, body: bytes) -> Reply:
-        order = candidates(await self.registry.nodes(), self.in_flight)
+        template = _field(body, "templateID")
+        if template == BASE_TEMPLATE:  # every node has its own
+            template = None
+        holders = await self.registry.template_nodes(template) if template else set()
+        order = candidates(await self.registry.nodes(), self.in_flight, holders)
         if not order:
             return Reply.error(503, "no node of the cluster is ready with room for a sandbox")
         last: Reply | None = None
@@ -246,8 +275,140 @@ class Gateway:
                 log.info("create refused by node %s (%d); trying the next", nid, reply.status)
                 last = reply
                 continue
+            if reply.status < 300 and template and nid not in holders:
+                await self.registry.add_template_node(template, nid)
             return reply
         return last or Reply.error(503, "no node of the cluster answered the create")
+
+    # -- templates and snapshots
+
+    async def _build(self, scope: Scope, body: bytes) -> Reply:
+        """A build request goes to a ready node with room (the next one when it refuses);
+        the template's id and aliases are then routed to that node, where its files,
+        build and status calls must go."""
+        last: Reply | None = None
+        for node in candidates(await self.registry.nodes(), self.in_flight):
+            try:
+                reply = await self._call(self._request(node, scope, body), CREATE_TIMEOUT_S)
+            except httpx.HTTPError as e:
+                log.warning("build request on node %s failed (%s); trying the next",
+                            node.record.node_id, e)
+                continue
+            if reply.status == 429 or reply.status >= 500:
+                last = reply
+                continue
+            if reply.status < 300:
+                answer = json.loads(reply.body or b"{}")
+                refs = [answer.get("templateID"), *(answer.get("aliases") or [])]
+                await self.registry.set_template_home(
+                    node.record.node_id, *[r for r in refs if isinstance(r, str) and r])
+            return reply
+        return last or Reply.error(503, "no node of the cluster is ready to build a template")
+
+    async def _to_template(self, scope: Scope, body: bytes, ref: str) -> Reply:
+        """Calls about one template: to the node that built it; a delete to every node
+        (each may hold a copy taken from the shared store); otherwise, or when its node
+        is gone, to the first node that knows it."""
+        if scope["method"] == "DELETE":
+            return await self._everywhere(scope, body)
+        home = await self.registry.template_home(ref)
+        node = await self.registry.node(home) if home else None
+        if node is not None and node.alive:
+            try:
+                reply = await self._call(self._request(node, scope, body), CALL_TIMEOUT_S)
+                return _through_gateway(reply, scope, node) if _FILES.match(scope["path"]) \
+                    else reply
+            except httpx.HTTPError as e:
+                log.warning("node %s did not answer %s %s: %s", node.record.node_id,
+                            scope["method"], scope["path"], e)
+        return await self._first_found(scope, body, home)
+
+    async def _upload(self, scope: Scope, receive: Receive, ref: str) -> Reply:
+        """A build's COPY archive (signed URL, no API key): streamed to the template's
+        node, which checks the token."""
+        home = await self.registry.template_home(ref)
+        node = await self.registry.node(home) if home else None
+        if node is None or not node.alive:
+            return Reply.error(404, f"template '{ref}' has no live node")
+
+        async def chunks() -> AsyncIterator[bytes]:
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    return
+                yield msg.get("body", b"")
+                if not msg.get("more_body", False):
+                    return
+
+        headers = [(k, v) for k, v in scope["headers"] if k not in _HOP]
+        headers.append((SECRET_HEADER, self.secret))
+        request = self.http.build_request(
+            "PUT", httpx.URL(node.record.url + scope["path"],
+                             query=scope.get("query_string") or None),
+            headers=headers, content=chunks())
+        try:
+            return await self._call(request, CALL_TIMEOUT_S)
+        except httpx.HTTPError as e:
+            return Reply.error(502, f"the node of template '{ref}' did not answer: {e}")
+
+    async def _first_found(self, scope: Scope, body: bytes, skip: str | None) -> Reply:
+        """The first live node's answer that is not a 404 (or the last 404)."""
+        last: Reply | None = None
+        for node in await self.registry.nodes():
+            if not node.alive or node.record.node_id == skip:
+                continue
+            try:
+                reply = await self._call(self._request(node, scope, body), CALL_TIMEOUT_S)
+            except httpx.HTTPError:
+                continue
+            if reply.status != 404:
+                return reply
+            last = reply
+        return last or Reply.error(404, f"{scope['path']} not found on any node")
+
+    async def _everywhere(self, scope: Scope, body: bytes) -> Reply:
+        """Every live node's answer; the first success, else the first failure."""
+        nodes = [n for n in await self.registry.nodes() if n.alive]
+
+        async def one(node: NodeStatus) -> Reply | None:
+            try:
+                return await self._call(self._request(node, scope, body), CALL_TIMEOUT_S)
+            except httpx.HTTPError:
+                return None
+
+        answers = [a for a in await asyncio.gather(*(one(n) for n in nodes)) if a]
+        ok = [a for a in answers if a.status < 300]
+        return (ok or answers or [Reply.error(503, "no node of the cluster answered")])[0]
+
+    async def _merged(self, scope: Scope, key: str) -> Reply:
+        """A template or snapshot list: every live node's, without repeats (a template
+        taken from the shared store is listed by each node that holds it)."""
+        nodes = [n for n in await self.registry.nodes() if n.alive]
+
+        async def one(node: NodeStatus) -> Reply | None:
+            try:
+                return await self._call(self._request(node, scope, b""), LIST_TIMEOUT_S)
+            except httpx.HTTPError:
+                return None
+
+        answers = await asyncio.gather(*(one(n) for n in nodes))
+        seen: set[str] = set()
+        merged: list[dict[str, Any]] = []
+        failed = []
+        for node, answer in zip(nodes, answers, strict=True):
+            if answer is None or answer.status >= 500:
+                failed.append(node.record.node_id)
+                continue
+            if answer.status != 200:
+                return answer
+            for item in json.loads(answer.body):
+                if item.get(key) not in seen:
+                    seen.add(item.get(key))
+                    merged.append(item)
+        extra: Headers = []
+        if failed:
+            extra.append((b"x-aenv-unreachable-nodes", ",".join(failed).encode()))
+        return Reply.json(200, merged, extra)
 
     async def _list(self, scope: Scope) -> Reply:
         params = parse_qsl(scope.get("query_string", b"").decode("latin-1"),
@@ -368,6 +529,32 @@ class Gateway:
                            f"sandbox '{sandbox_id}' is paused on node {owner.record.node_id}, "
                            f"which is {'gone' if gone else 'full'}, and no node can resume "
                            f"it: {where}")
+
+
+def _through_gateway(reply: Reply, scope: Scope, node: NodeStatus) -> Reply:
+    """A file-upload link the node made with its own address, made the gateway's (the
+    Host the client used), where the upload is streamed on to the node."""
+    try:
+        answer = json.loads(reply.body)
+    except ValueError:
+        return reply
+    url = answer.get("url") if isinstance(answer, dict) else None
+    host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
+    if not isinstance(url, str) or not url.startswith(node.record.url) or not host:
+        return reply
+    scheme = scope.get("scheme", "http")
+    answer["url"] = f"{scheme}://{host}{url[len(node.record.url):]}"
+    headers = [(k, v) for k, v in reply.headers if k.lower() != b"content-type"]
+    return Reply.json(reply.status, answer, headers)
+
+
+def _field(body: bytes, name: str) -> str | None:
+    """A string field of a JSON request body, if there is one."""
+    try:
+        value = json.loads(body).get(name) if body else None
+    except (ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) and value else None
 
 
 def _cursor(listed: dict[str, Any]) -> str:

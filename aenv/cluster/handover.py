@@ -18,6 +18,7 @@ A node that pauses a sandbox again offers it again, with the new snapshot.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -166,6 +167,16 @@ class SharedTemplates:
         _write(self.directory / f"{quote(rec.id, safe='')}.json", json.dumps(data).encode())
         for ref in (rec.id, *rec.names):
             _write(self.directory / "ref" / quote(ref, safe=""), rec.id.encode())
+
+    def remove(self, rec: TemplateRecord) -> None:
+        """Forget a deleted template: no node takes it from here any more (its snapshot's
+        files stay, see ``shared_store``'s collection rule)."""
+        for ref in (rec.id, *rec.names):
+            path = self.directory / "ref" / quote(ref, safe="")
+            with contextlib.suppress(OSError):
+                if path.read_text().strip() == rec.id:
+                    path.unlink()
+        (self.directory / f"{quote(rec.id, safe='')}.json").unlink(missing_ok=True)
 
     def get(self, id_or_name: str) -> TemplateRecord | None:
         try:

@@ -12,6 +12,9 @@ clusters sharing one Redis):
   fork children) of every node.
 - ``node:<id>:sandboxes`` (set): the ids that node last published, so a republish can
   remove the ones it no longer has.
+- ``templates`` (hash): template id or alias -> the node that built it (gateways write
+  it when a build request succeeds); ``template:<ref>:nodes`` (set): nodes that hold the
+  template (built it, or started a sandbox from it), which creates from it prefer.
 - ``requires`` (hash): sandbox id -> JSON portability requirements of a paused sandbox
   whose node offered it to the cluster (``handover``): another node may resume it.
 
@@ -196,6 +199,27 @@ class Registry:
             return None
         value: dict[str, Any] = json.loads(_str(raw))
         return value
+
+    # -- templates (written by gateways)
+
+    async def set_template_home(self, node_id: str, *refs: str) -> None:
+        """``refs`` (a template's id and aliases) were built on ``node_id``: its build,
+        files and status calls go there."""
+        if refs:
+            await self.client.hset(self._k("templates"), mapping={r: node_id for r in refs})
+            await self.add_template_node(refs[0], node_id)
+
+    async def template_home(self, ref: str) -> str | None:
+        node = await self.client.hget(self._k("templates"), ref)
+        return None if node is None else _str(node)
+
+    async def add_template_node(self, ref: str, node_id: str) -> None:
+        """``node_id`` holds template ``ref`` (built or started it there): creates from it
+        prefer that node."""
+        await self.client.sadd(self._k("template", ref, "nodes"), node_id)
+
+    async def template_nodes(self, ref: str) -> set[str]:
+        return _strs(await self.client.smembers(self._k("template", ref, "nodes")))
 
     async def node_sandboxes(self, node_id: str) -> set[str]:
         return _strs(await self.client.smembers(

@@ -47,9 +47,12 @@ from pathlib import Path
 from typing import Any
 
 from ..client.envd import EnvdClient, EnvdError
+from ..cluster.handover import SharedTemplates
 from ..envd import ENVD_PORT
 from ..storage import build_archives
 from ..storage.errors import StorageError
+from ..storage.image_ref import ImageRef
+from ..storage.shared_store import SharedStore
 from ..store import (
     BuildRecord,
     BuildStatus,
@@ -604,7 +607,24 @@ class Builder:
         for name in names:
             self.templates.add_name(template_id, name)
         self.templates.update_build(build_id, status=BuildStatus.READY, finished_at=time.time())
+        self._share(template_id, image)
         self._log(build_id, "build finished", step="finalize")
+
+    def _share(self, template_id: str, image: str) -> None:
+        """In a cluster with a shared store: put the template's record there, its snapshot
+        having been published by the pause, so that every node can start it."""
+        shelf = getattr(self.machines, "shared_templates", None)
+        shared = getattr(self.machines, "shared", None)
+        tpl = self.templates.get(template_id)
+        if not isinstance(shelf, SharedTemplates) or not isinstance(shared, SharedStore) \
+                or tpl is None:
+            return
+        try:
+            ref = ImageRef.parse(image)
+            if ref.is_snapshot and shared.has(ref.id):
+                shelf.put(tpl)
+        except Exception:
+            log.exception("template %s: not shared with the cluster", template_id)
 
     async def _step(self, envd: EnvdClient, build_id: str, step: str, s: dict[str, Any],
                     ctx: BuildContext) -> None:

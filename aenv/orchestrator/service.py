@@ -408,6 +408,8 @@ class Orchestrator:
         if tpl.id == BASE_TEMPLATE:
             raise InvalidRequest(f"the built-in template '{BASE_TEMPLATE}' cannot be deleted")
         self.templates.delete(tpl.id)
+        if (shelf := self.shared_templates) is not None:
+            shelf.remove(tpl)
 
     def gc_roots(self) -> set[str]:
         """Every snapshot or layer reference something still uses: what the records name,

@@ -409,3 +409,41 @@ def test_a_persistent_snapshot_taken_on_one_node_starts_on_the_other(
         for sid in ids:
             with contextlib.suppress(Exception):
                 Sandbox.kill(sid)
+
+
+def test_a_template_built_through_the_gateway_starts_on_both_nodes(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """E2B's ``Template.build`` through the gateway (its COPY archive uploaded through the
+    gateway's link) builds on one node; a sandbox from it starts on each node, the one
+    that did not build it taking it from the shared store; then it is deleted on both."""
+    from e2b import Template
+
+    (tmp_path / "hello.txt").write_text("copied through the gateway")
+    name = f"cl-{os.urandom(4).hex()}"
+    Template.build(Template(file_context_path=str(tmp_path)).from_template("base")
+                   .copy("hello.txt", "/home/user/hello.txt")
+                   .run_cmd("echo built > /home/user/built.txt"), name)
+    with redis.Redis.from_url(cluster.redis.url(2), decode_responses=True) as r:
+        home = r.hget("aenv:templates", name)
+    assert home in ("c1", "c2")
+    ids: list[str] = []
+    try:
+        for node_id in sorted(cluster.nodes, key=lambda n: n != home):  # the builder first
+            r2 = _on_node(cluster.nodes[node_id], "POST", "/sandboxes",
+                          json={"templateID": name, "timeout": 300})
+            assert r2.status_code == 201, (node_id, r2.text)
+            ids.append(r2.json()["sandboxID"])
+        for sid in ids:
+            sbx = Sandbox.connect(sid)
+            assert sbx.files.read("/home/user/hello.txt") == "copied through the gateway"
+            assert sbx.files.read("/home/user/built.txt").strip() == "built"
+        listed = [t for t in cluster.api().get("/templates").json() if name in t["aliases"]]
+        assert len(listed) == 1                       # both nodes know it, listed once
+    finally:
+        for sid in ids:
+            with contextlib.suppress(Exception):
+                Sandbox.kill(sid)
+        with cluster.api() as c:
+            tid = c.get(f"/templates/{name}").json().get("templateID", name)
+            assert c.delete(f"/templates/{tid}").status_code == 204
+            assert c.get(f"/templates/{name}").status_code == 404   # on no node, not again

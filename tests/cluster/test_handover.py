@@ -79,3 +79,5 @@ def test_a_shared_template_resolves_by_id_and_by_name(tmp_path: Path) -> None:
         assert got == dataclasses.replace(rec, spawn_count=0), ref
         assert got is not None and got.kind is TemplateKind.SNAPSHOT
     assert shelf.get("nope") is None and shelf.get("team") is None
+    shelf.remove(rec)
+    assert shelf.get("t1") is None and shelf.get("team/snap:default") is None
