@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from aenv.config import Settings
+from aenv.instance_lock import InstanceTaken, claim_instance
 from tests.conftest import ROOT, free_port
 
 PREFIX = "aenvsv"
@@ -130,7 +131,9 @@ def serving(srv: ServerProcess, *, cleanup: Callable[[Settings], None] | None = 
             ) -> Iterator[ServerProcess]:
     """Start ``srv``; at the end kill its sandboxes through the API, stop it, and fail if
     any namespace, nft table or VMM process of its prefix is left (after removing them:
-    ``cleanup``, by default aenv's own leftover sweep)."""
+    ``cleanup``, by default aenv's own leftover sweep). The sweep holds the prefix's
+    instance lock: when another live server holds it (``srv`` could not start for that
+    reason), its objects are that server's and are left alone."""
     if os.geteuid() != 0:
         pytest.skip("needs root")
     try:
@@ -143,15 +146,23 @@ def serving(srv: ServerProcess, *, cleanup: Callable[[Settings], None] | None = 
             except Exception:
                 pass
         srv.stop()
-        left = leftovers(srv.settings)
-        if any(left.values()):
-            if cleanup is None:
-                from aenv.network import cleanup_leftovers
+        try:  # what carries the prefix is ours only while no other live server holds it
+            lock = claim_instance(srv.settings)
+        except InstanceTaken as e:
+            pytest.fail(f"not sweeping prefix {srv.settings.name_prefix}: {e}\n"
+                        f"{srv.log_tail()}")
+        try:
+            left = leftovers(srv.settings)
+            if any(left.values()):
+                if cleanup is None:
+                    from aenv.network import cleanup_leftovers
 
-                cleanup_leftovers(srv.settings)
-            else:
-                cleanup(srv.settings)
-            pytest.fail(f"the server left {left}\n{srv.log_tail()}")
+                    cleanup_leftovers(srv.settings)
+                else:
+                    cleanup(srv.settings)
+                pytest.fail(f"the server left {left}\n{srv.log_tail()}")
+        finally:
+            lock.release()
 
 
 @contextlib.contextmanager
