@@ -312,10 +312,15 @@ class SharedStore:
         keep = snapshot_store.reachable(local.snapshots, local.layers,
                                         [snapshot_store.ref(snapshot_id)])
         files: list[BundleFile] = []
+        roots = {"snapshots": str(local.snapshots), "layers": str(local.layers)}
         for item in sorted(keep):
             if not item.exists():
                 continue
             kind = "snapshots" if item.parent == local.snapshots else "layers"
+            if kind == "snapshots" and item.name != snapshot_id and \
+                    (known := self._published_here(item.name, roots)) is not None:
+                files.extend(known)  # a snapshot never changes: not hashed again
+                continue
             members = sorted(p for p in item.rglob("*") if p.is_file()) if item.is_dir() \
                 else [item, *_layer_sidecars(item)]
             base = local.snapshots if kind == "snapshots" else local.layers
@@ -329,9 +334,8 @@ class SharedStore:
                 st = f.stat()
                 files.append(BundleFile(f"{kind}/{f.relative_to(base)}", d, st.st_size,
                                         st.st_mode & 0o777))
-        bundle = Bundle(snapshot_id, tuple(files),
-                        {"snapshots": str(local.snapshots), "layers": str(local.layers)},
-                        requires, tuple(sorted(_external(local, keep))))
+        bundle = Bundle(snapshot_id, tuple(files), roots, requires,
+                        tuple(sorted(_external(local, keep))))
         raw = bundle.to_json()
         bundle_digest = hashlib.sha256(raw).hexdigest()
         dest = self.root / BUNDLES / bundle_digest
@@ -339,6 +343,23 @@ class SharedStore:
             _write(dest, raw)
         _write(self._ref(snapshot_id), bundle_digest.encode())
         return bundle
+
+    def _published_here(self, snapshot_id: str, roots: dict[str, str]
+                        ) -> list[BundleFile] | None:
+        """The files of snapshot directory ``snapshot_id`` as its own bundle lists them,
+        when this node published it from the same roots (a fetched copy's manifest and
+        qcow2 headers were rewritten: its bytes are not the publisher's)."""
+        try:
+            bundle = self.bundle(snapshot_id)
+        except SharedStoreError:
+            return None
+        if bundle.roots != roots:
+            return None
+        prefix = f"snapshots/{snapshot_id}/"
+        own = [f for f in bundle.files if f.path.startswith(prefix)]
+        if not all((self.root / BLOBS / f.digest).is_file() for f in own):
+            return None
+        return own or None
 
     def unpublish(self, snapshot_id: str) -> None:
         self._ref(snapshot_id).unlink(missing_ok=True)

@@ -93,7 +93,8 @@ def world(tmp_path: Path) -> World:
         SharedStore(tmp_path / "shared")
 
 
-def test_a_published_snapshot_is_fetched_whole_with_its_paths_moved(world: World) -> None:
+def test_a_published_snapshot_is_fetched_whole_with_its_paths_moved(
+        world: World, monkeypatch: pytest.MonkeyPatch) -> None:
     a, b, store = world
     bundle = store.publish(a, "y")
     assert bundle.requires["driver"] == "qemu" and bundle.requires["accel"] == "tcg"
@@ -107,6 +108,18 @@ def test_a_published_snapshot_is_fetched_whole_with_its_paths_moved(world: World
         assert digest(store.root / BLOBS / f.digest) == f.digest
     blobs = sorted(os.listdir(store.root / BLOBS))
     assert store.publish(a, "y") == bundle and sorted(os.listdir(store.root / BLOBS)) == blobs
+    # y's dependency x, published on its own, is taken from its bundle, not hashed again
+    store.publish(a, "x")
+    hashed: list[Path] = []
+
+    def counting(p: Path) -> str:
+        hashed.append(p)
+        return digest(p)
+
+    monkeypatch.setattr("aenv.storage.shared_store.digest", counting)
+    assert store.publish(a, "y") == bundle
+    monkeypatch.undo()
+    assert not [p for p in hashed if p.parent.name == "x"] and hashed
     # holes stay holes in the store
     mem = store.root / BLOBS / digest(a.snapshots / "y" / snap.MEMORY)
     assert snap.allocated(mem) < MEM
