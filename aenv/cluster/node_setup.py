@@ -16,6 +16,7 @@ from .. import __version__
 from ..config import Settings
 from ..storage import shared_store
 from ..store import VM_STATES, SandboxState, SandboxStore
+from .handover import Handover
 from .node_agent import NodeAgent
 from .registry import IndexEntry, NodeRecord, Registry
 
@@ -83,9 +84,15 @@ def node_agent(settings: Settings, sandboxes: SandboxStore) -> NodeAgent:
             requires[ref] = json.dumps(bundle.requires, sort_keys=True)
         return requires[ref]
 
+    handover = Handover(shared, record.node_id) if shared else None
+
     def index() -> list[IndexEntry]:
+        # A paused sandbox another node took is not published, even before the orchestrator
+        # forgets it (``drop_moved``): it would route the sandbox back here.
         return [IndexEntry(r.id, r.state in VM_STATES,
                            offered(r.snapshot_id) if r.state == SandboxState.PAUSED else "")
-                for r in sandboxes.live()]
+                for r in sandboxes.live()
+                if handover is None or r.state != SandboxState.PAUSED
+                or not handover.moved(r)]
 
     return NodeAgent(Registry.from_url(settings.cluster), record, index)

@@ -4,6 +4,7 @@ Redis, no root)."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -62,3 +63,36 @@ def test_the_gateway_refuses_to_start_without_redis_or_secret() -> None:
     out = runner.invoke(app, ["gateway", "--cluster", "redis://127.0.0.1:1/0"],
                         env={"AENV_CLUSTER_SECRET": ""})
     assert out.exit_code == 1 and "AENV_CLUSTER_SECRET is required" in out.output
+
+
+async def test_a_paused_sandbox_another_node_took_is_not_published(tmp_path: Path) -> None:
+    """The node's index leaves out a paused sandbox whose offer another node claimed."""
+    import dataclasses
+
+    from aenv.cluster.handover import Handover
+    from aenv.cluster.node_setup import node_agent
+    from aenv.storage.shared_store import SharedStore
+    from aenv.store import Database, SandboxRecord, SandboxState, SandboxStore
+
+    s = Settings.from_env({"AENV_HOME": str(tmp_path / "home"), "AENV_CLUSTER":
+                           "redis://127.0.0.1:1/0", "AENV_CLUSTER_SECRET": "x" * 32,
+                           "AENV_NODE_ID": "a", "AENV_ADVERTISE_URL": "http://127.0.0.1:9",
+                           "AENV_SHARED_STORE": str(tmp_path / "shared")})
+    store = SharedStore(tmp_path / "shared")
+    db = Database(tmp_path / "db.sqlite")
+    sandboxes = SandboxStore(db)
+    for sid, snap in (("kept", "s1"), ("taken", "s2")):
+        (store.root / "refs").mkdir(parents=True, exist_ok=True)
+        (store.root / "refs" / snap).write_text("0" * 64)
+        rec = SandboxRecord(id=sid, template_id="base", state=SandboxState.PAUSED,
+                            client_id="c", started_at=1.0, end_at=2.0, cpu_count=1,
+                            memory_mb=512, disk_size_mb=2048, snapshot_id=f"snapshot:{snap}")
+        sandboxes.insert(dataclasses.replace(rec))
+        Handover(store, "a").offer(rec, {"driver": "qemu"})
+    assert Handover(store, "b").claim("taken") is not None
+    agent = node_agent(s, sandboxes)
+    try:
+        assert [e.sandbox_id for e in agent.index()] == ["kept"]
+    finally:
+        await agent.registry.close()
+        db.close()
