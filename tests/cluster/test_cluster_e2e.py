@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -447,3 +448,34 @@ def test_a_template_built_through_the_gateway_starts_on_both_nodes(
             tid = c.get(f"/templates/{name}").json().get("templateID", name)
             assert c.delete(f"/templates/{tid}").status_code == 204
             assert c.get(f"/templates/{name}").status_code == 404   # on no node, not again
+
+
+def test_a_node_sent_sigterm_drains_while_its_sandboxes_run(cluster: Cluster) -> None:
+    """Draining with real nodes and VMs: after SIGTERM, c2 is ``draining`` at once, creates
+    go to c1, c2's sandbox keeps running commands through the gateway; c2 stops once it
+    is killed, and starts again (ready) for what follows."""
+    victim = cluster.nodes["c2"]
+    made = [Sandbox.create("base") for _ in range(2)]    # one on each node
+    on_victim = next(s for s in made if cluster.node_of(s.sandbox_id) == "c2")
+    others: list[Sandbox] = []
+    try:
+        assert victim.proc is not None
+        victim.proc.send_signal(signal.SIGTERM)
+        asked = time.monotonic()
+        while cluster.statuses()["c2"] != "draining":
+            assert time.monotonic() - asked < 3, "not draining within 3 s"
+            time.sleep(0.05)
+        others = [Sandbox.create("base") for _ in range(2)]
+        assert {cluster.node_of(s.sandbox_id) for s in others} == {"c1"}
+        assert on_victim.commands.run("echo still serving").stdout.strip() == "still serving"
+        assert victim.proc.poll() is None, "stopped with a sandbox running"
+        on_victim.kill()
+        victim.proc.wait(60)     # nothing runs on it any more (AENV_DRAIN_TIMEOUT: 30 s)
+        assert cluster.statuses()["c2"] == "unhealthy"
+    finally:
+        victim.stop()
+        victim.start()
+        for s in [*made, *others]:
+            with contextlib.suppress(Exception):
+                s.kill()
+    assert cluster.statuses() == {"c1": "ready", "c2": "ready"}
