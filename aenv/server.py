@@ -96,7 +96,8 @@ class Server:
         self.builder = Builder(self.templates, machines, settings.cache_dir / "build-files",
                                pins=self.orchestrator.pins,
                                admission=self.orchestrator.admission,
-                               images=RegistryImages(settings))
+                               images=RegistryImages(settings, kernel_flavor=getattr(
+                                   machines, "kernel_flavor", "cloud")))
         self.metrics = MetricsCollector(self.sandboxes, interval=self.options.metrics_interval)
         self.proxy = ProxyRouter(RouteTable(self._route))
         self.orchestrator.on_stop.append(self.proxy.forget)

@@ -5,7 +5,9 @@ and the everyday data libraries. They are installed on the host, for the guest's
 (``GUEST_PYTHON``, Debian bookworm's 3.11) and platform, into one directory (``site``) that
 the build COPYs to ``SITE``, and ``aenv/interpreter`` beside them; a ``.pth`` file puts it on
 every guest ``python3``'s path, so the kernel, ``commands.run("python3 ...")`` and the server
-see the same libraries. Installing wheels inside an emulated guest is what this avoids.
+see the same libraries. Installing wheels inside an emulated guest is what this avoids; and
+as the libraries' COPY comes first, the server lays them into a copy of the base image on
+the host (cached by their ``filesHash``) instead of pushing them through the guest.
 
 The build (``aenv template build code-interpreter-v1``) starts the server as the template's
 user in ``/home/user`` and snapshots it ready, so a create restores a running kernel.
@@ -57,9 +59,14 @@ def dockerfile() -> str:
     ``server/aenv`` (``aenv/__init__.py`` and ``aenv/interpreter``)."""
     return "\n".join([
         "FROM base",
+        # First, as root, to a new path: the server lays the libraries into a copy of the
+        # base image on the host (orchestrator/builds.py, _lay_copies), cached by their
+        # filesHash, rather than pushing them through the guest. The server's source
+        # (small, and new at every change to it) comes after a RUN, so through the guest:
+        # the cached image changes only with the libraries.
+        f"COPY site {SITE}",
         f"RUN python3 -c 'import sys; v = \"%d.%d\" % sys.version_info[:2]; "
         f"assert v == \"{GUEST_PYTHON}\", \"the guest has Python \" + v'",
-        f"COPY site {SITE}",
         f"COPY server/aenv {SITE}/aenv",
         f"RUN mkdir -p $(dirname {PTH}) && echo {SITE} > {PTH}",
         # matplotlib's font cache, built once here rather than in every sandbox's first plot

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import posixpath
 import re
@@ -49,7 +50,7 @@ from typing import Any
 from ..client.envd import EnvdClient, EnvdError
 from ..cluster.handover import SharedTemplates
 from ..envd import ENVD_PORT
-from ..storage import build_archives
+from ..storage import build_archives, images
 from ..storage.errors import StorageError
 from ..storage.image_ref import ImageRef
 from ..storage.shared_store import SharedStore
@@ -507,12 +508,67 @@ class Builder:
             if pulled is None:
                 return
             parent = pulled
+            laid = 0
+        else:
+            parent, laid = await self._lay_copies(template_id, build_id, parent, spec)
         image = new_snapshot_ref() if self.machines.can_pause else new_layer_ref()
         tpl = self.templates.get(template_id)
         held = self.admission.reserve(tpl.cpu_count, tpl.memory_mb, check=False) \
             if self.admission is not None and tpl is not None else contextlib.nullcontext()
         with self.pins.hold(parent.image, image), held:
-            await self._build(template_id, build_id, parent, spec, names, image)
+            await self._build(template_id, build_id, parent, spec, names, image, laid=laid)
+
+    async def _lay_copies(self, template_id: str, build_id: str, parent: TemplateRecord,
+                          spec: dict[str, Any]) -> tuple[TemplateRecord, int]:
+        """A build from ``base`` whose first steps COPY directories to new absolute paths as
+        root: those are laid into a copy of the base image on the host (``images.
+        base_image_with``, cached by digest) that stands in as the parent, instead of being
+        uploaded through envd and unpacked under emulation. Returns the parent and how
+        many leading steps it holds (0: none, the steps run in the guest as usual)."""
+        if self.images is None or parent.id != BASE_TEMPLATE:
+            return parent, 0
+        layers: list[images.CopyLayer] = []
+        for s in spec.get("steps") or []:
+            src, dest, owner, mode = [*(s.get("args") or []), "", "", "", ""][:4]
+            if (s.get("type") != "COPY" or not s.get("filesHash") or mode
+                    or owner not in ("", "root", "root:root") or not dest.startswith("/")):
+                break
+            try:
+                base = copy_source_base(src)
+                local = self.file_path(s["filesHash"])
+                verdict = await build_archives.check_before_copy(
+                    local, src=src, dest=dest, files_hash=s["filesHash"])
+            except (ValueError, InvalidRequest, build_archives.FilesHashMismatch):
+                break  # the step fails in the guest, with its usual message
+            if verdict is not build_archives.HashCheck.MATCH:
+                break
+            layers.append(images.CopyLayer(local, base, dest, key=s["filesHash"].lower()))
+        if not layers:
+            return parent, 0
+        loop = asyncio.get_running_loop()
+
+        def say(line: str) -> None:  # from the worker thread
+            loop.call_soon_threadsafe(self._log, build_id, line, "base")
+
+        steps = "step 1" if len(layers) == 1 else f"steps 1-{len(layers)}"
+        self._log(build_id, f"laying {steps} (COPY) into the base image on the host",
+                  step="base")
+        try:
+            ref = await asyncio.to_thread(self.images.base_with, layers, say)
+        except asyncio.CancelledError:
+            self._fail(build_id, template_id, "base", "build was cancelled")
+            raise
+        except Exception as e:  # NotLayerable, or the host could not: the guest copies
+            if not isinstance(e, images.NotLayerable):
+                log.exception("build %s: laying COPY steps on the host failed", build_id)
+            self._log(build_id, f"the COPY steps run in the guest: {e}", step="base")
+            return parent, 0
+        tpl = self.templates.get(template_id)
+        assert tpl is not None
+        stand_in = template_records.from_image(tpl, ref, env=parent.env_vars, workdir="",
+                                               user=parent.user or DEFAULT_USER)
+        return dataclasses.replace(stand_in, workdir=parent.workdir, user=parent.user), \
+            len(layers)
 
     async def _from_image(self, template_id: str, build_id: str,
                           request: ImageRequest) -> TemplateRecord | None:
@@ -544,7 +600,8 @@ class Builder:
             user=prepared.user or DEFAULT_USER)
 
     async def _build(self, template_id: str, build_id: str, parent: TemplateRecord,
-                     spec: dict[str, Any], names: list[str], image: str) -> None:
+                     spec: dict[str, Any], names: list[str], image: str, *,
+                     laid: int = 0) -> None:
         tpl = self.templates.get(template_id)
         assert tpl is not None
         vm = SandboxRecord(
@@ -567,6 +624,10 @@ class Builder:
             try:
                 for i, s in enumerate(spec.get("steps") or [], start=1):
                     step = str(i)
+                    if i <= laid:  # in the parent's image already (_lay_copies)
+                        args = " ".join(s.get("args") or []).rstrip()
+                        self._log(build_id, f"COPY {args} (laid on the host)", step=step)
+                        continue
                     await self._step(envd, build_id, step, s, ctx)
                 step = "finalize"
                 if spec.get("startCmd"):

@@ -21,7 +21,7 @@ build's stored spec nor the template record holds them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -63,6 +63,11 @@ class PreparedImage:
 
 class ImageSource(Protocol):
     def prepare(self, request: ImageRequest, say: Say) -> PreparedImage: ...
+
+    def base_with(self, layers: Sequence[images.CopyLayer], say: Say) -> str:
+        """``image:<digest>``: the base image with ``layers`` laid in on the host;
+        ``images.NotLayerable`` when one cannot be."""
+        ...
 
 
 def is_e2b_base(reference: str) -> bool:
@@ -126,8 +131,14 @@ class RegistryImages:
     """``ImageSource`` of a node: pulls into the shared blob cache, builds into the images
     directory. Blocking: a build runs it in a worker thread."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, kernel_flavor: str = "cloud") -> None:
         self.settings = settings
+        self.kernel_flavor = kernel_flavor
+
+    def base_with(self, layers: Sequence[images.CopyLayer], say: Say) -> str:
+        built = images.base_image_with(self.settings, layers, say,
+                                       kernel_flavor=self.kernel_flavor)
+        return str(ImageRef.image(built.digest))
 
     def prepare(self, request: ImageRequest, say: Say) -> PreparedImage:
         say(f"pulling {request.reference}")

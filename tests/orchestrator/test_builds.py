@@ -460,3 +460,63 @@ async def test_recover_fails_interrupted_builds_and_sweeps_old_reservations(tmp_
     finally:
         await builder.close()
     assert builder._sweeper is None
+
+
+# -- leading COPY steps laid on the host ----------------------------------------------------
+
+
+class LayingImages:
+    """An ``ImageSource`` that records what ``base_with`` was asked to lay."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.asked: list = []
+        self.error = error
+
+    def prepare(self, request, say):  # pragma: no cover - not a fromImage build
+        raise AssertionError("no pull")
+
+    def base_with(self, layers, say) -> str:
+        self.asked.append(list(layers))
+        if self.error is not None:
+            raise self.error
+        return "image:" + "a" * 64
+
+
+def uploaded(builder: Builder, tmp_path: Path, src: str, dest: str) -> dict:
+    from aenv.client.build_files import files_hash, tar_archive
+    ctx = tmp_path / "ctx"
+    (ctx / src / "pkg").mkdir(parents=True, exist_ok=True)
+    (ctx / src / "pkg/m.py").write_text(f"# {src}\n")
+    h = files_hash(src, dest, ctx, [])
+    data, _ = tar_archive(src, ctx, [])
+    builder.files_dir.mkdir(parents=True, exist_ok=True)
+    builder.file_path(h).write_bytes(data.read())
+    return {"type": "COPY", "args": [src, dest], "filesHash": h}
+
+
+async def test_leading_copies_from_base_become_the_parents_image(tmp_path) -> None:
+    from aenv.storage.images import NotLayerable
+    source = LayingImages()
+    builder = Builder(TemplateStore(Database(tmp_path / "aenv.db")), None, tmp_path / "files",
+                      images=source)
+    ready_base(builder)
+    base = builder.templates.get("base")
+    tpl, build, _ = builder.request("big")
+    steps = [uploaded(builder, tmp_path, "site", "/opt/site"),
+             uploaded(builder, tmp_path, "more", "/opt/more"),
+             {"type": "RUN", "args": ["true"]},
+             uploaded(builder, tmp_path, "late", "/opt/late")]
+    parent, laid = await builder._lay_copies(tpl.id, build.id, base, {"steps": steps})
+    assert laid == 2 and parent.image == "image:" + "a" * 64
+    assert (parent.user, parent.workdir, parent.env_vars) == (base.user, base.workdir, {})
+    assert [(x.entry, x.dest) for x in source.asked[0]] == [("site", "/opt/site"),
+                                                           ("more", "/opt/more")]
+    assert source.asked[0][0].key == steps[0]["filesHash"]
+    # not from base, an owner, or a relative destination: the guest copies
+    assert await builder._lay_copies(tpl.id, build.id, parent, {"steps": steps}) == (parent, 0)
+    owned = [{**steps[0], "args": ["site", "/opt/site", "user"]}]
+    assert await builder._lay_copies(tpl.id, build.id, base, {"steps": owned}) == (base, 0)
+    # what the host refuses runs in the guest too
+    source.error = NotLayerable("exists")
+    assert await builder._lay_copies(tpl.id, build.id, base, {"steps": steps}) == (base, 0)
+    assert ("base", "the COPY steps run in the guest: exists") in logged(builder, build.id)
