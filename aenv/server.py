@@ -62,6 +62,10 @@ class ServerOptions:
     default_disk_mb: int = 2048
     # Snapshot the built-in template at start-up (off: every create from it cold boots).
     snapshot_base: bool = True
+    # Root filesystems made on the host for builds: registry pulls (fromImage) and COPY
+    # steps laid into the base image. Off for machines that boot no images (the tests'
+    # host-process sandboxes): such builds are then refused or run their steps in the guest.
+    host_images: bool = True
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ServerOptions:
@@ -97,7 +101,8 @@ class Server:
                                pins=self.orchestrator.pins,
                                admission=self.orchestrator.admission,
                                images=RegistryImages(settings, kernel_flavor=getattr(
-                                   machines, "kernel_flavor", "cloud")))
+                                   machines, "kernel_flavor", "cloud"))
+                               if self.options.host_images else None)
         self.metrics = MetricsCollector(self.sandboxes, interval=self.options.metrics_interval)
         self.proxy = ProxyRouter(RouteTable(self._route))
         self.orchestrator.on_stop.append(self.proxy.forget)

@@ -26,7 +26,8 @@ class RunningServer:
         home = tmp_path_factory.mktemp("aenv-home")
         self.machines = ProcessMachines()
         self.server = Server(Settings(home=home), self.machines,
-                             ServerOptions(ttl_interval=0.2, metrics_interval=0.5))
+                             ServerOptions(ttl_interval=0.2, metrics_interval=0.5,
+                                           host_images=False))
         now = time.time()
         self.server.templates.insert(TemplateRecord(
             id="base", kind="template", build_id="b0", status="ready", cpu_count=2,
