@@ -70,7 +70,7 @@ def test_exec_takes_user_cwd_and_env(aenv: Aenv, sandbox_id: str) -> None:
 
 def test_exec_timeout_kills_the_command(aenv: Aenv, sandbox_id: str) -> None:
     result = aenv("sandbox", "exec", sandbox_id, "--timeout", "1", "--", "sleep 30")
-    assert result.exit_code == 124
+    assert result.exit_code == 124, (result.stdout, result.stderr)
     assert "ran out of its 1s" in result.stderr
 
 

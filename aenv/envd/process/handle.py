@@ -76,6 +76,9 @@ class ProcessHandle:
         self._loop.add_reader(self._pidfd, self._on_child_exit)
         for fd in self._pumps:
             self._loop.add_reader(fd, self._on_readable, fd)
+        # The timer may fire a little before loop.time() reaches ``deadline`` (uvloop's
+        # timers have millisecond resolution), so the stream asks this, not the clock.
+        self.killed_at_deadline = False
         self._deadline = (
             self._loop.call_at(deadline, self._on_deadline) if deadline is not None else None
         )
@@ -125,6 +128,7 @@ class ProcessHandle:
 
     def _on_deadline(self) -> None:
         self._deadline = None
+        self.killed_at_deadline = True
         log.info("process deadline passed pid=%d, killing", self.pid)
         self.signal(signal.SIGKILL)
 

@@ -91,7 +91,8 @@ class ProcessService:
             deadline = _deadline(ctx)
             handle, subscription = self.registry.start(spec, request.process, tag, deadline)
         events = process_events(subscription, handle.pid, _start_response,
-                                keepalive_interval(ctx.request_headers), deadline)
+                                keepalive_interval(ctx.request_headers), deadline,
+                                lambda: handle.killed_at_deadline)
         async with aclosing(events):  # its finally detaches the subscription, now
             async for response in events:
                 yield response

@@ -76,8 +76,11 @@ async def process_events(
     wrap: Callable[[Event], Response],
     keepalive_s: float,
     deadline: float | None = None,
+    killed_at_deadline: Callable[[], bool] = lambda: False,
 ) -> AsyncGenerator[Response, None]:
-    """Stream a live process. ``deadline`` is a ``loop.time()`` value or None."""
+    """Stream a live process. ``deadline`` is a ``loop.time()`` value or None;
+    ``killed_at_deadline`` says whether the process was killed for it (Start's own
+    deadline), which can happen a moment before the loop's clock reaches it."""
     loop = asyncio.get_running_loop()
     try:
         yield wrap(start_event(pid))
@@ -88,8 +91,9 @@ async def process_events(
                 raise ConnectError(Code.DEADLINE_EXCEEDED, "context deadline exceeded")
             wake_at = next_keepalive if deadline is None else min(next_keepalive, deadline)
             item = await subscription.get(wake_at - now)
-            if deadline is not None and loop.time() >= deadline:
-                continue  # past the deadline nothing more is sent, not even the end
+            if deadline is not None and (loop.time() >= deadline or killed_at_deadline()):
+                # past the deadline nothing more is sent, not even the end
+                raise ConnectError(Code.DEADLINE_EXCEEDED, "context deadline exceeded")
             if item is None:
                 if loop.time() >= next_keepalive:
                     yield wrap(_KEEPALIVE)
