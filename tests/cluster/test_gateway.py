@@ -119,23 +119,32 @@ async def serving(node: Any) -> AsyncIterator[FakeNode]:
         await task
 
 
+@contextlib.asynccontextmanager
+async def gateway_on(redis_url: str, key: str, secret: str, base_url: str = "http://gw"
+                     ) -> AsyncIterator[tuple[Registry, httpx.AsyncClient]]:
+    """A flushed Redis DB's registry, and a client (sending ``key``) of an in-process
+    gateway over it; the client, the gateway and the registry are closed at the end."""
+    reg = Registry.from_url(redis_url, ttl_s=30)
+    await reg.client.flushdb()
+    gw = Gateway(Registry.from_url(redis_url), api_key=key, cluster_secret=secret)
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(gw.app), base_url=base_url,
+                               headers={"X-API-KEY": key})
+    try:
+        yield reg, client
+    finally:
+        await client.aclose()
+        await gw.close()
+        await reg.close()
+
+
 @pytest.fixture
 async def cluster(redis_server: RedisServer) -> AsyncIterator[
         tuple[Registry, httpx.AsyncClient, FakeNode, FakeNode]]:
-    reg = Registry.from_url(redis_server.url(1), ttl_s=30)
-    await reg.client.flushdb()
-    gw = Gateway(Registry.from_url(redis_server.url(1)), api_key=KEY, cluster_secret=SECRET)
-    async with serving(FakeNode("a")) as a, serving(FakeNode("b")) as b:
+    async with serving(FakeNode("a")) as a, serving(FakeNode("b")) as b, \
+            gateway_on(redis_server.url(1), KEY, SECRET) as (reg, client):
         for n in (a, b):
             await reg.publish(NodeRecord(n.name, n.url, "t"), [])
-        client = httpx.AsyncClient(transport=httpx.ASGITransport(gw.app),
-                                   base_url="http://gw", headers={"X-API-KEY": KEY})
-        try:
-            yield reg, client, a, b
-        finally:
-            await client.aclose()
-            await gw.close()
-            await reg.close()
+        yield reg, client, a, b
 
 
 async def test_clients_need_the_gateways_key_and_nodes_get_the_secret_instead(cluster) -> None:

@@ -12,10 +12,9 @@ import httpx
 import pytest
 from starlette.types import Receive, Scope, Send
 
-from aenv.cluster.gateway import Gateway
 from aenv.cluster.registry import IndexEntry, NodeRecord, Registry
 from tests.cluster.redis_server import RedisServer
-from tests.cluster.test_gateway import serving
+from tests.cluster.test_gateway import gateway_on, serving
 from tests.conftest import free_port
 
 KEY = "e2b_" + "r" * 40
@@ -53,24 +52,15 @@ Nodes = tuple[Registry, httpx.AsyncClient, ResumeNode, ResumeNode, ResumeNode]
 
 @pytest.fixture
 async def nodes(redis_server: RedisServer) -> AsyncIterator[Nodes]:
-    reg = Registry.from_url(redis_server.url(4), ttl_s=30)
-    await reg.client.flushdb()
-    gw = Gateway(Registry.from_url(redis_server.url(4)), api_key=KEY, cluster_secret=SECRET)
     async with serving(ResumeNode("a")) as a, serving(ResumeNode("b")) as b, \
-            serving(ResumeNode("c")) as c:
+            serving(ResumeNode("c")) as c, \
+            gateway_on(redis_server.url(4), KEY, SECRET) as (reg, client):
         await reg.publish(NodeRecord("a", a.url, "t", restores=TCG),
                           [IndexEntry("p1", running=False, requires=REQUIRES)])
         await reg.publish(NodeRecord("b", b.url, "t", running=0,
                                      restores={**TCG, "accel": "kvm"}), [])
         await reg.publish(NodeRecord("c", c.url, "t", running=3, restores=TCG), [])
-        client = httpx.AsyncClient(transport=httpx.ASGITransport(gw.app),
-                                   base_url="http://gw", headers={"X-API-KEY": KEY})
-        try:
-            yield reg, client, a, b, c
-        finally:
-            await client.aclose()
-            await gw.close()
-            await reg.close()
+        yield reg, client, a, b, c
 
 
 async def test_its_node_full_the_resume_goes_to_one_that_can_restore_it(nodes: Nodes) -> None:

@@ -13,10 +13,9 @@ import httpx
 import pytest
 from starlette.types import Receive, Scope, Send
 
-from aenv.cluster.gateway import Gateway
 from aenv.cluster.registry import NodeRecord, Registry
 from tests.cluster.redis_server import RedisServer
-from tests.cluster.test_gateway import serving
+from tests.cluster.test_gateway import gateway_on, serving
 from tests.conftest import free_port
 
 KEY = "e2b_" + "t" * 40
@@ -79,21 +78,12 @@ Cluster = tuple[Registry, httpx.AsyncClient, TemplateNode, TemplateNode]
 
 @pytest.fixture
 async def cluster(redis_server: RedisServer) -> AsyncIterator[Cluster]:
-    reg = Registry.from_url(redis_server.url(3), ttl_s=30)
-    await reg.client.flushdb()
-    gw = Gateway(Registry.from_url(redis_server.url(3)), api_key=KEY, cluster_secret=SECRET)
-    async with serving(TemplateNode("a")) as a, serving(TemplateNode("b")) as b:
+    async with serving(TemplateNode("a")) as a, serving(TemplateNode("b")) as b, \
+            gateway_on(redis_server.url(3), KEY, SECRET, "http://gw.example:8080") \
+            as (reg, client):
         for n in (a, b):
             await reg.publish(NodeRecord(n.name, n.url, "t"), [])
-        client = httpx.AsyncClient(transport=httpx.ASGITransport(gw.app),
-                                   base_url="http://gw.example:8080",
-                                   headers={"X-API-KEY": KEY})
-        try:
-            yield reg, client, a, b
-        finally:
-            await client.aclose()
-            await gw.close()
-            await reg.close()
+        yield reg, client, a, b
 
 
 async def test_a_build_and_its_calls_go_to_one_node_and_uploads_stream_there(
