@@ -25,7 +25,10 @@ from aenv.config import Settings
 from aenv.instance_lock import InstanceTaken, claim_instance
 from tests.conftest import ROOT, free_port
 
-PREFIX = "aenvsv"
+# Overridable so that two pytest runs on one host (helper sessions, a developer's loop
+# beside a CI run) each get a session server of their own.
+PREFIX = os.environ.get("AENV_TEST_SERVER_PREFIX", "aenvsv")
+NET = int(os.environ.get("AENV_TEST_SERVER_NET", "15"))
 pytestmark = [pytest.mark.vm, pytest.mark.net]
 
 
@@ -33,7 +36,7 @@ class ServerProcess:
     """``aenv server`` in a subprocess. Servers that may run at the same time need distinct
     ``prefix`` and ``net`` (the second octet of their host and veth /24s)."""
 
-    def __init__(self, home: Path, prefix: str = PREFIX, net: int = 15) -> None:
+    def __init__(self, home: Path, prefix: str = PREFIX, net: int = NET) -> None:
         self.home = home
         self.settings = Settings(
             home=home, cache_home=Settings.from_env().artifacts, name_prefix=prefix,
