@@ -34,17 +34,65 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# Below this many samples a 99th percentile is only the largest value seen: ``summary``
+# reports it as null (``p99_needs_n``) rather than print a maximum under the name p99.
+P99_MIN_N = 100
+
+
 def percentile(values: list[float], p: float) -> float:
-    """Nearest-rank percentile (``p`` in 0..100) of a non-empty list."""
+    """Percentile ``p`` (0..100) of a non-empty list, interpolated between the two nearest
+    ranks (numpy's default): the p50 of an even count is the mean of the middle two, not
+    the lower one as a nearest-rank p50 would be."""
     ordered = sorted(values)
-    rank = max(1, math.ceil(p / 100 * len(ordered)))
-    return ordered[rank - 1]
+    if not ordered:
+        raise ValueError("percentile of no samples")
+    pos = (len(ordered) - 1) * p / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def summary(ms: list[float]) -> dict[str, float]:
-    """n, p50, p99, min, max of a list of milliseconds, rounded to 0.01 ms."""
-    return {"n": len(ms), "p50": round(percentile(ms, 50), 2), "p99": round(percentile(ms, 99), 2),
-            "min": round(min(ms), 2), "max": round(max(ms), 2)}
+def summary(ms: list[float]) -> dict[str, Any]:
+    """n, p50, p99, min, max (and mean) of a list of milliseconds, rounded to 0.01 ms.
+
+    Every figure carries its sample count ``n``. ``p99`` is null below ``P99_MIN_N``
+    samples (``p99_needs_n`` says so): with fewer it is just the maximum, already in
+    ``max``. An empty list gives ``{"n": 0}``."""
+    if not ms:
+        return {"n": 0}
+    out: dict[str, Any] = {"n": len(ms), "p50": round(percentile(ms, 50), 2)}
+    if len(ms) >= P99_MIN_N:
+        out["p99"] = round(percentile(ms, 99), 2)
+    else:
+        out["p99"] = None
+        out["p99_needs_n"] = P99_MIN_N
+    out.update({"min": round(min(ms), 2), "max": round(max(ms), 2),
+                "mean": round(sum(ms) / len(ms), 2)})
+    return out
+
+
+def tail(s: dict[str, Any]) -> float | None:
+    """The honest tail of a ``summary``: its p99 when there were enough samples, else None."""
+    value = s.get("p99")
+    return None if value is None else float(value)
+
+
+def expect_status(r: httpx.Response, *statuses: int) -> httpx.Response:
+    """``r`` when its status is one of ``statuses``; otherwise raise with the body, so a
+    benchmark never times an error answer as if it were the operation."""
+    if r.status_code not in statuses:
+        raise RuntimeError(f"{r.request.method} {r.request.url.path} answered "
+                           f"{r.status_code} (expected {statuses}): {r.text[:300]}")
+    return r
+
+
+def phase_summaries(rows: list[dict[str, float]], phases: tuple[str, ...] | None = None
+                    ) -> dict[str, dict[str, Any]]:
+    """``summary`` per ``Server-Timing`` phase over the rows that report it: a phase absent
+    from a row is left out (its ``n`` is smaller), never counted as 0 ms. ``phases``: the
+    keys to report (default: every key seen)."""
+    keys = phases if phases is not None else tuple(dict.fromkeys(k for r in rows for k in r))
+    return {k: summary([r[k] for r in rows if k in r]) for k in keys}
 
 
 def speed_ref_ms(loops: int = 1_000_000) -> float:

@@ -577,7 +577,8 @@ def _seconds(values: list[float]) -> dict[str, float] | None:
     if not values:
         return None
     s = summary([v * 1000 for v in values])
-    return {"n": s["n"], **{k: round(s[k] / 1000, 3) for k in ("p50", "p99", "min", "max")}}
+    return {"n": s["n"], **{k: None if s[k] is None else round(s[k] / 1000, 3)
+                            for k in ("p50", "p99", "min", "max")}}
 
 
 def run_kill_loop(srv: Server, kills: int, *, seed: int = 1, calibrate: bool = True,

@@ -1,6 +1,6 @@
 """Snapshot operations as a client sees them, through the REST API of a real ``aenv server``.
 
-Run as root: ``.venv/bin/python benchmarks/sandbox_snapshots.py [--n 10] [--forks 3]``
+Run as root: ``.venv/bin/python benchmarks/sandbox_snapshots.py [--n 10] [--forks 5]``
 
 Method: one server (its own home, prefix and address ranges; ``benchmarks/_server.py``)
 with base kept as a snapshot, and a second one started with ``--no-snapshot-base`` for the
@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from aenv.config import Settings
 from aenv.orchestrator.timing import parse_server_timing
-from benchmarks._common import emit, summary
+from benchmarks._common import emit, expect_status, phase_summaries, summary
 from benchmarks._server import VMServer, leftovers, log
 
 STATE = "echo state > /home/user/state.txt"
@@ -80,10 +80,10 @@ def timed(fn: Callable[[], httpx.Response], status: int,
     return ms
 
 
-def phase_p50s(rows: list[dict[str, float]]) -> dict[str, float]:
-    """p50 per phase over ``Server-Timing`` rows (ms)."""
-    keys = dict.fromkeys(k for row in rows for k in row)
-    return {k: summary([row[k] for row in rows if k in row])["p50"] for k in keys}
+def phase_p50s(rows: list[dict[str, float]]) -> dict[str, dict[str, float]]:
+    """p50 and sample count per phase over ``Server-Timing`` rows (ms); a phase missing
+    from a row is left out of that phase, not counted as 0."""
+    return {k: {"p50": s["p50"], "n": s["n"]} for k, s in phase_summaries(rows).items()}
 
 
 def create(api: httpx.Client) -> tuple[str, float]:
@@ -123,12 +123,15 @@ def measure(srv: VMServer, n: int, forks: int) -> dict[str, Any]:
                                    "resume_busy": [], "snapshot": []}
     phases: dict[str, list[dict[str, float]]] = {"resume": [], "resume_busy": []}
     with srv.api() as api:
-        create(api)  # warm-up: first restore maps the snapshot cold
+        # Warm-up: the first restore maps the snapshot cold. Deleted at once: a sandbox
+        # left running would share the two cores with every figure below.
+        warm, _ = create(api)
+        expect_status(api.delete(f"/sandboxes/{warm}"), 204)
         sid, busy = started(api, srv, ticking("1")), started(api, srv, ticking("0.1"))
         for i in range(n):
             child, ms = create(api)
             out["create_restore"].append(ms)
-            api.delete(f"/sandboxes/{child}")
+            expect_status(api.delete(f"/sandboxes/{child}"), 204)
             out["pause"].append(timed(lambda: api.post(f"/sandboxes/{sid}/pause", json={}), 204))
             out["resume"].append(timed(
                 lambda: api.post(f"/v2/sandboxes/{sid}/connect", json={"timeout": 600}), 201,
@@ -166,6 +169,7 @@ def fork_rounds(api: httpx.Client, src: str, rounds: int, key: str,
         t0 = time.perf_counter()
         r = api.post(f"/sandboxes/{src}/fork", json={"count": 16}, timeout=600)
         walls.append((time.perf_counter() - t0) * 1000)
+        expect_status(r, 200, 201)
         phases.append(parse_server_timing(r.headers.get("server-timing", "")))
         results = r.json()
         failed = [x for x in results if "error" in x]
@@ -216,7 +220,7 @@ def with_server(home: Path, net: int, args: tuple[str, ...], fn: Callable[[VMSer
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=10)
-    ap.add_argument("--forks", type=int, default=3)
+    ap.add_argument("--forks", type=int, default=5, help="fork x16 rounds per source")
     ap.add_argument("--cold", type=int, default=5,
                     help="cold-boot creates for comparison (0: skip)")
     args = ap.parse_args()

@@ -2,7 +2,7 @@
 fork x16, and the host memory each forked child costs; for a 256 MiB and a 2 GiB guest.
 
 Run as root: ``.venv/bin/python benchmarks/vm_snapshot.py [--cycles 10] [--forks 16]
-[--fork-rounds 2] [--sizes 256,2048] [--flavor cloud|small]``. Per guest size it boots the
+[--fork-rounds 5] [--sizes 256,2048] [--flavor cloud|small]``. Per guest size it boots the
 ``base`` image once, pauses it into a template snapshot (the first pause of a booted VM
 copies its RAM file: reported apart), and then measures, on restored VMs as every sandbox is one:
 
@@ -361,9 +361,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cycles", type=int, default=10, help="pause/resume cycles per size")
     ap.add_argument("--forks", type=int, default=16)
-    ap.add_argument("--fork-rounds", type=int, default=2)
+    # Five rounds at least: a p50 of two rounds is only their mean, and of one, the one.
+    ap.add_argument("--fork-rounds", type=int, default=5)
     ap.add_argument("--sizes", default="256,2048", help="guest sizes in MiB")
-    ap.add_argument("--dirty-reps", type=int, default=2)
+    ap.add_argument("--dirty-reps", type=int, default=5)
     ap.add_argument("--no-dirty", dest="dirty", action="store_false")
     ap.add_argument("--flavor", default="cloud",
                     help="guest kernel: cloud, or small once 'aenv kernel build small' ran")
