@@ -40,6 +40,8 @@ from .store import (
     SandboxStore,
     TemplateStore,
 )
+from .store.secret_box import SecretBox, load_key
+from .store.secrets import SecretStore
 
 log = logging.getLogger("aenv.server")
 
@@ -91,6 +93,7 @@ class Server:
         self.db = Database(settings.home / "aenv.db")
         self.sandboxes = SandboxStore(self.db)
         self.templates = TemplateStore(self.db)
+        self.secrets = SecretStore(self.db, SecretBox(load_key(settings.secrets_dir)))
         self.machines = machines
         self.orchestrator = Orchestrator(
             self.sandboxes, self.templates, machines,
@@ -122,6 +125,7 @@ class Server:
             metrics=self.metrics, logs=self.machines.logs, lifespan=lifespan,
             builder=self.builder, upload_secret=self.api_key.encode(),
             cluster_secret=settings.cluster_secret if settings.cluster else None,
+            secret_store=self.secrets,
             extra_routers=(drain_router(self.cluster),) if self.cluster else (),
         )
         if self.cluster is not None:

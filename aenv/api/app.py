@@ -19,7 +19,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..orchestrator.service import Orchestrator
-from . import errors, sandboxes, snapshots, templates
+from . import errors, sandboxes, secrets, snapshots, templates
 from .auth import ApiKeyMiddleware
 from .errors import ApiError, error_response
 
@@ -81,6 +81,7 @@ def create_api(
     lifespan: Callable[[Any], Any] | None = None,
     extra_routers: tuple[APIRouter, ...] = (),
     cluster_secret: str | None = None,
+    secret_store: Any = None,
 ) -> ASGIApp:
     app = FastAPI(title="aenv", openapi_url="/openapi.json", docs_url=None, redoc_url=None,
                   lifespan=lifespan)
@@ -92,6 +93,7 @@ def create_api(
     app.state.upload_secret = upload_secret
     app.state.upload_limit = upload_limit
     app.state.upload_link_ttl = upload_link_ttl
+    app.state.secrets = secret_store  # None: /secrets answers 501
     errors.install(app)
 
     @app.get("/health", status_code=204)
@@ -105,6 +107,7 @@ def create_api(
     app.include_router(sandboxes.router)
     app.include_router(templates.router)
     app.include_router(snapshots.router)
+    app.include_router(secrets.router)
     for router in extra_routers:
         app.include_router(router)
     limited = BodyLimit(app, overrides=[("PUT", UPLOAD_PATH, upload_limit)])
