@@ -363,6 +363,14 @@ class Settings(_Declared):
     max_starting: int = setting(
         "AENV_MAX_STARTING", 8, flag="--max-starting", check=_at_least(0),
         doc="sandboxes being created or resumed at once")
+    start_queue: int = setting(
+        "AENV_START_QUEUE", 256, check=_at_least(0),
+        doc="creates that wait, first come first served, while `AENV_MAX_STARTING` start; "
+            "more are refused with 429 and `Retry-After`")
+    start_queue_timeout: float = setting(
+        "AENV_START_QUEUE_TIMEOUT", 30.0, check=_above(0),
+        doc="seconds a create waits in that queue before a 429 (the request's deadline: "
+            "under the E2B SDKs' 60 s request timeout)")
     max_fork: int = setting(
         "AENV_MAX_FORK", 16, flag="--max-fork", check=_at_least(0),
         doc="most children of one fork")

@@ -76,7 +76,9 @@ class ServerOptions:
         return cls(
             domain=s.domain, snapshot_base=s.snapshot_base,
             limits=Limits(max_sandboxes=s.max_sandboxes, max_starting=s.max_starting,
-                          max_fork=s.max_fork, retention_s=s.retention_hours * 3600),
+                          max_fork=s.max_fork, retention_s=s.retention_hours * 3600,
+                          start_queue=s.start_queue,
+                          start_queue_timeout_s=s.start_queue_timeout),
             budget=Budget(cpu_overcommit=s.cpu_overcommit,
                           memory_overcommit=s.memory_overcommit,
                           disk_reserve_mb=s.disk_reserve_mb,

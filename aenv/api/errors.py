@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..network.errors import NetworkError, PoolClosedError, PoolExhaustedError
-from ..orchestrator.errors import OrchestratorError
+from ..orchestrator.errors import LimitReached, OrchestratorError
 from ..runtime.base import NotSupportedError, VMError
 from ..storage.errors import StorageError
 from ..store.templates import NameTaken
@@ -143,7 +143,9 @@ def install(app: FastAPI) -> None:
     async def _orch(_: Request, exc: OrchestratorError) -> JSONResponse:
         # Failures after side effects must not be retried by the SDK (it retries POSTs).
         retry = exc.status == 429
-        return error_response(exc.status, _public_message(exc), retry=retry)
+        headers = ({"Retry-After": str(exc.retry_after)} if isinstance(exc, LimitReached)
+                   else None)
+        return error_response(exc.status, _public_message(exc), retry=retry, headers=headers)
 
     @app.exception_handler(NameTaken)
     async def _name_taken(_: Request, exc: NameTaken) -> JSONResponse:

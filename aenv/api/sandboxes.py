@@ -54,6 +54,7 @@ async def _create(request: Request, body: NewSandbox, idem: str | None, v1: bool
         cpu_count=body.cpuCount,
         memory_mb=body.memoryMB,
         idempotency_key=idem,
+        client_gone=request.is_disconnected,
     )
     timings: dict[str, float] = {}
     t_handler = time.perf_counter()

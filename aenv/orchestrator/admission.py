@@ -4,7 +4,9 @@ Checked before anything is made, so a request that does not fit costs nothing an
 clear answer: 400 for a sandbox larger than any this node runs (``Budget`` maxima), 429
 when the node is full (vCPUs and memory over the host's, times a configurable overcommit;
 free space for guest RAM files of cold boots; free disk in ``AENV_HOME``), 507 for a pause
-that would not have room for its snapshot. VMs that no sandbox record holds — template
+that would not have room for its snapshot. Creates waiting for a start
+(``start_queue``) count against the budget as if they ran, so a burst is refused at once
+when it could not fit, not after its wait. VMs that no sandbox record holds — template
 builds, the base template's snapshot boot — take a ``reserve`` for their lifetime and
 count like sandboxes.
 
@@ -69,11 +71,13 @@ class Admission:
                 raise InvalidRequest(f"a sandbox may have at most {limit}{unit} {what} on this "
                                      f"node ({value}{unit} asked)")
 
-    def check_start(self, ask: Ask) -> None:
-        """429 when ``ask`` does not fit beside the VMs running and reserved."""
+    def check_start(self, ask: Ask, queued: Iterable[tuple[int, int]] = ()) -> None:
+        """429 when ``ask`` does not fit beside the VMs running and reserved and the
+        creates ``queued`` ahead of it ((vCPUs, MiB) each: they will start first)."""
         res = self._resources()
         b = self.budget
-        held = [(r.cpu_count, r.memory_mb) for r in self._running()] + self._reserved
+        held = [(r.cpu_count, r.memory_mb) for r in self._running()] + self._reserved + \
+            list(queued)
         cpus_used = sum(c for c, _ in held)
         mem_used = sum(m for _, m in held)
         cpu_cap = int(res.cpus * b.cpu_overcommit)

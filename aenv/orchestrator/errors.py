@@ -36,9 +36,15 @@ class Conflict(OrchestratorError):
 
 
 class LimitReached(OrchestratorError):
-    """This node is full: too many sandboxes or starts, or no room in its budgets."""
+    """This node is full: too many sandboxes, a full start queue, or no room in its
+    budgets. ``retry_after``: whole seconds the client should wait (the API's
+    ``Retry-After``); the default is a guess for room that frees when sandboxes end."""
 
     status = 429
+
+    def __init__(self, message: str, *, retry_after: int = 5) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class InsufficientStorage(OrchestratorError):

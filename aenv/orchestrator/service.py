@@ -47,6 +47,7 @@ from .errors import (
 from .ids import new_id, new_snapshot_ref, new_token
 from .machine import Machines, Placement
 from .pins import Pins
+from .start_queue import StartQueue
 from .template_records import (
     BASE_TEMPLATE,
     base_image_boot,
@@ -74,6 +75,9 @@ class Limits:
     max_sandboxes: int = 64
     max_starting: int = 8
     max_fork: int = 16
+    # Creates waiting for one of the max_starting starts (start_queue.py), and for how long.
+    start_queue: int = 256
+    start_queue_timeout_s: float = 30.0
     # Killed and lost sandboxes are forgotten this long after they ended.
     retention_s: float = 24 * 3600
 
@@ -94,6 +98,9 @@ class CreateOptions:
     memory_mb: int | None = None
     idempotency_key: str | None = None
     client_id: str = "aenv"
+    # Whether the client went away (the API's ``Request.is_disconnected``): a create that
+    # waits in the start queue leaves it then.
+    client_gone: Callable[[], Awaitable[bool]] | None = None
 
 
 class Orchestrator:
@@ -120,6 +127,8 @@ class Orchestrator:
         self.ttl_interval = ttl_interval
         self._locks: dict[str, asyncio.Lock] = {}
         self._starting = 0
+        self.start_queue = StartQueue(limits.max_starting, limits.start_queue,
+                                      limits.start_queue_timeout_s)
         self._ttl_task: asyncio.Task[None] | None = None
         # References in use that no record names yet (see ``pins``); the builder shares it.
         self.pins = Pins()
@@ -174,10 +183,24 @@ class Orchestrator:
         tpl = self.template(opts.template)
         rec = self._new_record(tpl, opts)
         self.admission.check_size(rec.cpu_count, rec.memory_mb, rec.disk_size_mb)
-        self._check_capacity(1)
-        self.admission.check_start(Ask(rec.cpu_count, rec.memory_mb, cold=self._cold(tpl)))
-        self.sandboxes.insert(rec)  # no await since the checks: they still hold
-        timer.add(await self._start(rec, tpl, opts.timeout))  # the machines' phases
+        queue = self.start_queue
+        # Refused at once when the node could not hold it even after the queue ahead of it
+        # started; otherwise it waits its turn behind max_starting (start_queue.py).
+        self._check_capacity(1 + queue.waiting, starts=False)
+        ask = Ask(rec.cpu_count, rec.memory_mb, cold=self._cold(tpl))
+        self.admission.check_start(ask, queue.queued_sizes())
+        async with queue.turn((rec.cpu_count, rec.memory_mb), gone=opts.client_gone) as waited:
+            if waited:
+                timer.add({"queue": waited})
+                if opts.idempotency_key:  # its twin may have been ahead in the queue
+                    existing = self.sandboxes.by_idempotency_key(opts.idempotency_key)
+                    if existing is not None:
+                        return existing
+                # Checked again: what ran meanwhile may have filled the node.
+                self._check_capacity(1, starts=False)
+                self.admission.check_start(ask)
+            self.sandboxes.insert(rec)  # no await since the checks: they still hold
+            timer.add(await self._start(rec, tpl, opts.timeout))  # the machines' phases
         timer.remainder("orchestrator")
         record_phases("create", timer.phases)
         if timings is not None:

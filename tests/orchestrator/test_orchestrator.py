@@ -165,11 +165,34 @@ async def test_limits_answer_429(world) -> None:
         await orch.create(CreateOptions(template="base"))
 
 
-async def test_concurrent_starts_beyond_the_limit_are_refused(world) -> None:
-    orch, _ = world
+async def test_concurrent_starts_beyond_the_limit_wait_their_turn(world) -> None:
+    orch, m = world
     results = await asyncio.gather(*(orch.create(CreateOptions(template="base"))
                                      for _ in range(3)), return_exceptions=True)
-    assert sum(isinstance(r, LimitReached) for r in results) == 1
+    assert all(r.state == "running" for r in results), results
+    assert len(m.started) == 3 and orch.start_queue.active == 0
+
+
+async def test_a_burst_beyond_the_node_or_the_queue_is_refused_at_once() -> None:
+    """The 4th of 4 concurrent creates on a node that holds 3 is refused without waiting
+    (it could not run once the queue ahead of it started); so is one beyond a full queue."""
+    _, sandboxes, templates = stores_with_base()
+    m = FakeMachines(delay=0.2)
+    orch = Orchestrator(sandboxes, templates, m, limits=Limits(
+        max_sandboxes=3, max_starting=1, start_queue=1))
+    t0 = time.monotonic()
+    results = await asyncio.gather(*(orch.create(CreateOptions(template="base"))
+                                     for _ in range(3)), return_exceptions=True)
+    refused = [r for r in results if isinstance(r, LimitReached)]
+    assert len(refused) == 1 and "queued" in refused[0].message
+    assert refused[0].retry_after >= 1
+    orch2 = Orchestrator(*stores_with_base()[1:], FakeMachines(delay=0.2), limits=Limits(
+        max_sandboxes=3, max_starting=2, start_queue=8))
+    results = await asyncio.gather(*(orch2.create(CreateOptions(template="base"))
+                                     for _ in range(4)), return_exceptions=True)
+    refused = [r for r in results if isinstance(r, LimitReached)]
+    assert len(refused) == 1 and "at most 3 sandboxes" in refused[0].message
+    assert time.monotonic() - t0 < 2
 
 
 async def test_pause_while_a_kill_is_in_flight_finds_the_sandbox_gone(world) -> None:
