@@ -70,6 +70,7 @@ def wait_for(what: str, check: object, timeout: float) -> float:
     return time.monotonic() - t0
 
 
+@pytest.mark.slow  # several seconds of waiting: left out of make test-fast
 def test_sigterm_drains_then_stops_when_its_last_sandbox_ends(
         fresh_db: RedisServer, tmp_path: Path) -> None:
     with nodes(fresh_db, tmp_path, "d1", "d2") as n, \
@@ -99,6 +100,7 @@ def test_sigterm_drains_then_stops_when_its_last_sandbox_ends(
             assert c.delete(f"/sandboxes/{s}").status_code == 204
 
 
+@pytest.mark.slow  # several seconds of waiting: left out of make test-fast
 def test_sigterm_stops_after_the_drain_timeout_or_at_a_second_sigterm(
         fresh_db: RedisServer, tmp_path: Path) -> None:
     with nodes(fresh_db, tmp_path, "t1", "t2", drain_timeout=2.0) as n, \
@@ -119,6 +121,7 @@ def test_sigterm_stops_after_the_drain_timeout_or_at_a_second_sigterm(
         assert statuses(c) == {"t1": "unhealthy", "t2": "unhealthy"}
 
 
+@pytest.mark.slow  # several seconds of waiting: left out of make test-fast
 def test_aenv_drain_marks_the_node_draining_and_waits_for_its_sandboxes(
         fresh_db: RedisServer, tmp_path: Path) -> None:
     """The Kubernetes preStop: ``aenv-drain`` (node API key) drains the node over HTTP

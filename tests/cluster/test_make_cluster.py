@@ -84,6 +84,7 @@ def test_a_port_can_be_moved(tmp_path: Path) -> None:
     assert env["SHARED"] == f"{tmp_path}/shared"
 
 
+@pytest.mark.slow  # several seconds of waiting: left out of make test-fast
 def test_cluster_stop_ends_every_process_it_started_and_forgets_their_pids(
         tmp_path: Path) -> None:
     """What cluster.sh leaves (pid files of setsid'ed processes, here sleeps; node homes

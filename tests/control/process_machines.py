@@ -1,12 +1,13 @@
 """A stand-in for VMs in control-plane tests: each "sandbox" is an envd process on the host.
 
 It lets the real SDK exercise the API, proxy and lifecycle in seconds. Each envd listens on
-its own loopback address (127.0.0.N:49983), as each VM has its own host address. It proves
-nothing about isolation; the VM tests do that.
+its own loopback address (127.W.H.L:49983, W apart for each pytest-xdist worker), as each VM
+has its own host address. It proves nothing about isolation; the VM tests do that.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -16,6 +17,10 @@ from aenv.orchestrator.errors import Unsupported
 from aenv.orchestrator.machine import NodeResources, Placement
 from aenv.store import SandboxRecord, TemplateRecord
 from tests.conftest import ROOT, stop_process
+
+
+# pytest-xdist's worker number ("gw3" -> 3), so that workers' envds never share an address.
+_WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
 
 
 class ProcessMachines:
@@ -45,7 +50,7 @@ class ProcessMachines:
             raise RuntimeError("injected start failure")
         n = self._next
         self._next += 1
-        ip = f"127.0.0.{n}"
+        ip = f"127.{_WORKER}.{n // 250}.{n % 250 + 2}"
         proc = subprocess.Popen(
             [sys.executable, "-m", "aenv.envd", "--host", ip, "--port", str(ENVD_PORT),
              "--default-user", "user"],

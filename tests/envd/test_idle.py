@@ -6,6 +6,8 @@ import os
 import signal
 import time
 
+import pytest
+
 from tests.conftest import Envd
 
 
@@ -20,6 +22,7 @@ def _wakeups(pid: int) -> int:
     return total
 
 
+@pytest.mark.slow  # several seconds of waiting: left out of make test-fast
 def test_an_idle_envd_wakes_about_once_a_second(envd_factory) -> None:
     envd: Envd = envd_factory()
     time.sleep(0.5)  # let start-up settle

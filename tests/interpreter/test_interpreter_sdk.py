@@ -160,6 +160,7 @@ def test_envs_apply_to_one_run(sbx: Sandbox) -> None:
     assert sbx.run_code("import os; os.environ.get('AENV_RUN_VAR', 'unset')").text == "unset"
 
 
+@pytest.mark.slow  # several seconds of waiting: left out of make test-fast
 def test_timeout_interrupts_the_cell(sbx: Sandbox) -> None:
     start = time.monotonic()
     with pytest.raises(TimeoutException, match="Execution timed out"):
