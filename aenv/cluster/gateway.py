@@ -12,7 +12,9 @@ One listener, as a node has (``aenv.proxy.front.Front`` decides per request):
   gateway does not have: they are not routed (yet).
 - REST, after the client's ``X-API-KEY`` is checked against the gateway's key:
   ``POST /sandboxes`` (and ``/v2/sandboxes``) goes to the best node
-  (``scheduling.candidates``), then to the next one when a node answers 429 or 5xx or
+  (``scheduling.candidates``: ready, with room in every budget it publishes, least full
+  first; when none has room by the published figures, every ready node, whose own
+  admission decides), then to the next one when a node answers 429 or 5xx or
   does not answer (a create that timed out may still finish on the slow node).
   ``GET /sandboxes`` and ``GET /v2/sandboxes`` ask every live node and merge the answers,
   ordered as a node orders them (by ``startedAt``, then id; ``order`` as given). A v2
@@ -70,7 +72,7 @@ from ..proxy import ProxyRouter, Route, RouteTable
 from ..proxy.front import Front
 from ..storage.shared_store import incompatibilities
 from .registry import NodeStatus, Registry
-from .scheduling import candidates
+from .scheduling import Ask, candidates
 from .trust import SECRET_HEADER
 
 log = logging.getLogger("aenv.gateway")
@@ -128,8 +130,11 @@ def node_view(n: NodeStatus) -> dict[str, Any]:
     """One node as ``GET /nodes`` shows it."""
     r = n.record
     return {"nodeID": r.node_id, "url": r.url, "status": n.status, "version": r.version,
-            "sandboxes": {"running": r.running, "paused": r.paused},
-            "capacity": {"maxSandboxes": r.max_sandboxes}, "publishedAt": r.published_at}
+            "sandboxes": {"running": r.running, "paused": r.paused, "starting": r.starting},
+            "capacity": {"maxSandboxes": r.max_sandboxes, "maxStarting": r.max_starting,
+                         "cpuCount": r.vcpus, "memoryMB": r.memory_mb},
+            "usage": {"cpuCount": r.vcpus_used, "memoryMB": r.memory_used_mb},
+            "publishedAt": r.published_at}
 
 
 def _address(url: str) -> tuple[str, int]:
@@ -254,7 +259,8 @@ class Gateway:
         if template == BASE_TEMPLATE:  # every node has its own
             template = None
         holders = await self.registry.template_nodes(template) if template else set()
-        order = candidates(await self.registry.nodes(), self.in_flight, holders)
+        order = candidates(await self.registry.nodes(), self.in_flight, holders, Ask.of(body),
+                           overflow=True)
         if not order:
             return Reply.error(503, "no node of the cluster is ready with room for a sandbox")
         last: Reply | None = None

@@ -2,14 +2,15 @@
 
 ``NodeAgent`` reads what to publish from the node's own store (``index``, a callable: the
 live sandboxes, running and paused, fork children included) and writes it with
-``Registry.publish``. It publishes:
+``Registry.publish``, with what the node uses of its budgets (``usage``: vCPUs, memory,
+sandboxes starting) in its record. It publishes:
 
 - on ``start``;
 - on ``sync()``, which ``PublishAfterChange`` awaits before a successful create, kill,
   pause, resume, connect or fork answers, so a client that got the answer (through a
   gateway) finds the sandbox routed;
-- on every heartbeat (every TTL/3) when the index differs from the last one published
-  (TTL kills and auto-pauses happen without a request), and when the node's liveness key
+- on every heartbeat (every TTL/3) when the index or the usage differs from the last one
+  published (TTL kills and auto-pauses happen without a request), and when the node's liveness key
   had vanished (Redis restarted empty): the store is the truth, Redis an index of it.
 
 Redis being down never fails a request or the node: errors are logged (once per outage)
@@ -31,7 +32,7 @@ from dataclasses import replace
 from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .registry import IndexEntry, NodeRecord, Registry
+from .registry import IndexEntry, NodeRecord, Registry, Usage
 
 log = logging.getLogger("aenv.cluster")
 
@@ -43,12 +44,14 @@ _CHANGES = re.compile(
 
 class NodeAgent:
     def __init__(self, registry: Registry, record: NodeRecord,
-                 index: Callable[[], list[IndexEntry]]) -> None:
+                 index: Callable[[], list[IndexEntry]],
+                 usage: Callable[[], Usage] | None = None) -> None:
         self.registry = registry
         self.record = record          # id, URL, version, capacity; counts filled per publish
         self.index = index
+        self.usage = usage or Usage
         self._lock = asyncio.Lock()
-        self._published: frozenset[IndexEntry] | None = None
+        self._published: tuple[frozenset[IndexEntry], Usage] | None = None
         self._task: asyncio.Task[None] | None = None
         self._failing = False
 
@@ -88,18 +91,20 @@ class NodeAgent:
         """Publish the store's index (when ``force`` or changed); False if Redis failed."""
         async with self._lock:
             entries = frozenset(self.index())
-            if not force and entries == self._published:
+            usage = self.usage()
+            if not force and (entries, usage) == self._published:
                 return True
             record = replace(self.record, running=sum(e.running for e in entries),
                              paused=sum(not e.running for e in entries),
-                             published_at=time.time())
+                             starting=usage.starting, vcpus_used=usage.vcpus_used,
+                             memory_used_mb=usage.memory_used_mb, published_at=time.time())
             try:
                 await asyncio.wait_for(self.registry.publish(record, entries), SYNC_TIMEOUT_S)
             except (RedisError, OSError, TimeoutError) as e:
                 self._published = None
                 self._report(e)
                 return False
-            self._published = entries
+            self._published = (entries, usage)
             if self._failing:
                 log.info("cluster: Redis reachable again; index of %d sandboxes published",
                          len(entries))

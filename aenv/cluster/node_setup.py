@@ -3,13 +3,18 @@
 The node's id is ``AENV_NODE_ID`` (default: the host name), its URL ``AENV_ADVERTISE_URL``
 (default: its listener's, which must then not be a wildcard address). It publishes every
 live sandbox of its store (``LIVE_STATES``: running, paused, fork children, those
-starting or stopping), counted as running while it holds a VM (``VM_STATES``).
+starting or stopping), counted as running while it holds a VM (``VM_STATES``), and with
+its record its budgets (``Capacity``: the same limits its admission applies) and what those
+sandboxes use of them, so gateways send creates only where they fit.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import socket
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from .. import __version__
@@ -18,7 +23,43 @@ from ..storage import shared_store
 from ..store import VM_STATES, SandboxState, SandboxStore
 from .handover import Handover
 from .node_agent import NodeAgent
-from .registry import IndexEntry, NodeRecord, Registry
+from .registry import IndexEntry, NodeRecord, Registry, Usage
+
+# States of a sandbox getting its VM: what a node's ``max_starting`` counts.
+STARTING_STATES = (SandboxState.CREATING, SandboxState.RESUMING)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """A node's budgets as its admission applies them (0: no limit): sandboxes holding a
+    VM, sandboxes starting at once, guest vCPUs and memory (host totals x overcommit)."""
+
+    max_sandboxes: int = 0
+    max_starting: int = 0
+    vcpus: int = 0
+    memory_mb: int = 0
+
+
+def capacity_of(settings: Settings) -> Capacity:
+    """The budgets ``aenv server`` admits with (``ServerOptions.from_settings``): host
+    cores and RAM times the settings' overcommit."""
+    memory_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1024 * 1024)
+    return Capacity(max_sandboxes=settings.max_sandboxes, max_starting=settings.max_starting,
+                    vcpus=int((os.cpu_count() or 1) * settings.cpu_overcommit),
+                    memory_mb=int(memory_mb * settings.memory_overcommit))
+
+
+def usage_of(sandboxes: SandboxStore) -> Callable[[], Usage]:
+    """What the node's sandboxes use of its budgets, read from its store (as admission
+    counts them: every sandbox holding a VM)."""
+
+    def usage() -> Usage:
+        held = sandboxes.in_states(VM_STATES)
+        return Usage(starting=sum(r.state in STARTING_STATES for r in held),
+                     vcpus_used=sum(r.cpu_count for r in held),
+                     memory_used_mb=sum(r.memory_mb for r in held))
+
+    return usage
 
 
 class NodeSetupError(ValueError):
@@ -62,13 +103,18 @@ def check(settings: Settings) -> None:
     advertise_url(settings)
 
 
-def node_agent(settings: Settings, sandboxes: SandboxStore) -> NodeAgent:
+def node_agent(settings: Settings, sandboxes: SandboxStore,
+               capacity: Capacity | None = None) -> NodeAgent:
+    """``capacity`` None: ``capacity_of(settings)``."""
     assert settings.cluster, "not in a cluster"
     check(settings)
     shared = shared_store.SharedStore(settings.shared_store) if settings.shared_store \
         else None
+    cap = capacity or capacity_of(settings)
     record = NodeRecord(node_id=node_id(settings), url=advertise_url(settings),
-                        version=__version__, max_sandboxes=settings.max_sandboxes,
+                        version=__version__, max_sandboxes=cap.max_sandboxes,
+                        max_starting=cap.max_starting, vcpus=cap.vcpus,
+                        memory_mb=cap.memory_mb,
                         restores=restores(settings) if shared else {})
     requires: dict[str, str] = {}  # snapshot ref -> its requirements (snapshots never change)
 
@@ -95,4 +141,4 @@ def node_agent(settings: Settings, sandboxes: SandboxStore) -> NodeAgent:
                 if handover is None or r.state != SandboxState.PAUSED
                 or not handover.moved(r)]
 
-    return NodeAgent(Registry.from_url(settings.cluster), record, index)
+    return NodeAgent(Registry.from_url(settings.cluster), record, index, usage_of(sandboxes))

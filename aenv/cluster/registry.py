@@ -51,6 +51,14 @@ class NodeRecord:
     running: int = 0          # sandboxes holding a VM (running, creating, resuming, ...)
     paused: int = 0
     max_sandboxes: int = 0    # 0: no limit
+    # Budgets (the node's own admission limits; 0: not published, no limit) and what is
+    # used of them, so the gateway sends a create only where it fits (``scheduling``).
+    max_starting: int = 0
+    vcpus: int = 0            # guest vCPUs admitted: host cores x overcommit
+    memory_mb: int = 0        # guest memory admitted: host RAM x overcommit
+    starting: int = 0         # creating or resuming now
+    vcpus_used: int = 0       # by the sandboxes holding a VM
+    memory_used_mb: int = 0
     draining: bool = False
     published_at: float = 0.0
     # What snapshots it restores (``shared_store.node_capabilities`` without the kernels,
@@ -80,6 +88,15 @@ class NodeStatus:
         if not self.alive:
             return "unhealthy"
         return "draining" if self.record.draining else "ready"
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What a node uses of its budgets now (``NodeRecord``'s fields of the same names)."""
+
+    starting: int = 0
+    vcpus_used: int = 0
+    memory_used_mb: int = 0
 
 
 @dataclass(frozen=True)

@@ -137,7 +137,12 @@ def test_the_gateway_reports_both_nodes(cluster: Cluster) -> None:
         nodes = c.get("/nodes").json()
         assert [(n["nodeID"], n["status"], n["url"]) for n in nodes] == [
             ("c1", "ready", cluster.nodes["c1"].url), ("c2", "ready", cluster.nodes["c2"].url)]
-        assert c.get("/nodes/c2").json()["sandboxes"] == {"running": 0, "paused": 0}
+        c2 = c.get("/nodes/c2").json()
+        assert c2["sandboxes"] == {"running": 0, "paused": 0, "starting": 0}
+        # its budgets, as its admission applies them (host x overcommit), and their use
+        assert c2["capacity"]["cpuCount"] == 16 * (os.cpu_count() or 1)
+        assert c2["capacity"]["memoryMB"] > 0 and c2["capacity"]["maxStarting"] > 0
+        assert c2["usage"] == {"cpuCount": 0, "memoryMB": 0}
         assert c.get("/nodes").status_code == 200
     assert httpx.get(cluster.gateway_url + "/nodes").status_code == 401
     # a node takes the secret in place of its key; a client without either gets nothing
@@ -153,6 +158,10 @@ def test_sandboxes_spread_over_both_nodes_and_work_through_the_gateway(
     made = [Sandbox.create("base", metadata={"suite": "cluster"}) for _ in range(2)]
     try:
         assert {cluster.node_of(s.sandbox_id) for s in made} == {"c1", "c2"}
+        with cluster.api() as c:   # each node publishes what its sandbox uses
+            for s in made:
+                used = c.get(f"/nodes/{cluster.node_of(s.sandbox_id)}").json()["usage"]
+                assert used["cpuCount"] >= 1 and used["memoryMB"] >= 256, used
         for s in made:
             assert s.commands.run("echo hi from $(hostname)").stdout.startswith("hi from")
         a, b = made
@@ -185,7 +194,8 @@ def test_sandboxes_spread_over_both_nodes_and_work_through_the_gateway(
         home = cluster.node_of(b.sandbox_id)
         with cluster.api() as c:
             assert c.post(f"/sandboxes/{b.sandbox_id}/pause").status_code == 204
-            assert c.get(f"/nodes/{home}").json()["sandboxes"] == {"running": 0, "paused": 1}
+            assert c.get(f"/nodes/{home}").json()["sandboxes"] == {
+                "running": 0, "paused": 1, "starting": 0}
         assert cluster.node_of(b.sandbox_id) == home
         b = Sandbox.connect(b.sandbox_id)
         assert b.commands.run("echo resumed").stdout.strip() == "resumed"

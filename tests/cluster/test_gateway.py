@@ -233,15 +233,19 @@ async def test_nodes_are_reported(cluster) -> None:
     reg, client, a, _ = cluster
     await reg.publish(NodeRecord("a", a.url, "0.1.0", max_sandboxes=64),
                       [IndexEntry("x"), IndexEntry("y", running=False)])
-    await reg.publish(NodeRecord("a", a.url, "0.1.0", running=1, paused=1, max_sandboxes=64),
+    await reg.publish(NodeRecord("a", a.url, "0.1.0", running=1, paused=1, max_sandboxes=64,
+                                 max_starting=8, vcpus=32, memory_mb=49152, starting=1,
+                                 vcpus_used=2, memory_used_mb=1024),
                       [IndexEntry("x"), IndexEntry("y", running=False)])
     await reg.leave("b")
     nodes = (await client.get("/nodes")).json()
     assert [(n["nodeID"], n["status"]) for n in nodes] == [("a", "ready"), ("b", "unhealthy")]
     one = (await client.get("/nodes/a")).json()
     assert one["url"] == a.url and one["version"] == "0.1.0"
-    assert one["sandboxes"] == {"running": 1, "paused": 1}
-    assert one["capacity"] == {"maxSandboxes": 64}
+    assert one["sandboxes"] == {"running": 1, "paused": 1, "starting": 1}
+    assert one["capacity"] == {"maxSandboxes": 64, "maxStarting": 8, "cpuCount": 32,
+                               "memoryMB": 49152}
+    assert one["usage"] == {"cpuCount": 2, "memoryMB": 1024}
     assert (await client.get("/nodes/zz")).status_code == 404
     assert (await client.get("/nodes", headers={"X-API-KEY": ""})).status_code == 401
 

@@ -96,3 +96,33 @@ async def test_a_paused_sandbox_another_node_took_is_not_published(tmp_path: Pat
     finally:
         await agent.registry.close()
         db.close()
+
+
+def test_a_node_publishes_its_budgets_and_what_its_sandboxes_use(tmp_path: Path) -> None:
+    """The budgets are the settings' (host cores and RAM x overcommit); the usage counts
+    the sandboxes holding a VM, as admission does, and those starting."""
+    import os
+
+    from aenv.cluster.node_setup import capacity_of, usage_of
+    from aenv.store import Database, SandboxRecord, SandboxState, SandboxStore
+
+    s = Settings.from_env({"AENV_HOME": str(tmp_path / "home"), "AENV_MAX_SANDBOXES": "7",
+                           "AENV_MAX_STARTING": "3", "AENV_CPU_OVERCOMMIT": "4"})
+    cap = capacity_of(s)
+    assert (cap.max_sandboxes, cap.max_starting, cap.vcpus) == (7, 3, 4 * (os.cpu_count() or 1))
+    assert cap.memory_mb > 0
+    db = Database(tmp_path / "db.sqlite")
+    try:
+        sandboxes = SandboxStore(db)
+        for sid, state, cpus, mem in (("run", SandboxState.RUNNING, 2, 1024),
+                                      ("new", SandboxState.CREATING, 1, 512),
+                                      ("back", SandboxState.RESUMING, 1, 256),
+                                      ("zzz", SandboxState.PAUSED, 4, 4096),
+                                      ("end", SandboxState.KILLED, 8, 8192)):
+            sandboxes.insert(SandboxRecord(
+                id=sid, template_id="base", state=state, client_id="c", started_at=1.0,
+                end_at=2.0, cpu_count=cpus, memory_mb=mem, disk_size_mb=2048))
+        used = usage_of(sandboxes)()
+        assert (used.starting, used.vcpus_used, used.memory_used_mb) == (2, 4, 1792)
+    finally:
+        db.close()

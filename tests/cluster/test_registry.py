@@ -10,7 +10,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from aenv.cluster.node_agent import NodeAgent
-from aenv.cluster.registry import IndexEntry, NodeRecord, Registry
+from aenv.cluster.registry import IndexEntry, NodeRecord, Registry, Usage
 from aenv.cluster.scheduling import candidates
 from tests.cluster.redis_server import RedisServer
 
@@ -64,21 +64,20 @@ async def test_a_node_silent_past_its_ttl_is_unhealthy_and_leave_is_at_once(
     assert await registry.node("zz") is None
 
 
-async def test_scheduling_takes_ready_nodes_with_room_fewest_sandboxes_first(
+async def test_scheduling_takes_ready_nodes_with_room_least_full_first(
         registry: Registry) -> None:
-    await registry.publish(rec("a", running=3, max_sandboxes=4), [])
-    await registry.publish(rec("b", running=1), [])
+    await registry.publish(rec("a", running=3, max_sandboxes=8), [])
+    await registry.publish(rec("b", running=1, max_sandboxes=8), [])
     await registry.publish(rec("c", running=0, draining=True), [])
-    await registry.publish(rec("d", running=4, max_sandboxes=4), [])   # full
+    await registry.publish(rec("d", running=8, max_sandboxes=8), [])   # full
     await registry.publish(rec("e", running=2), [])
     await registry.leave("e")                                          # dead
     order = [n.record.node_id for n in candidates(await registry.nodes())]
     assert order == ["b", "a"]
-    # creates in flight count: two on b make a (3) the better one
+    # creates in flight count: three on b make a (3) the better one
     order = [n.record.node_id for n in candidates(await registry.nodes(), {"b": 3})]
     assert order == ["a", "b"]
-    assert candidates(await registry.nodes(), {"a": 1, "b": 0}) [0].record.node_id == "b"
-    assert [n.record.node_id for n in candidates(await registry.nodes(), {"a": 1})] == ["b"]
+    assert [n.record.node_id for n in candidates(await registry.nodes(), {"a": 5})] == ["b"]
 
 
 class FakeStore:
@@ -158,3 +157,25 @@ async def test_a_paused_sandbox_taken_over_by_another_node_stays_indexed_there(
     await registry.publish(rec("a"), [])
     assert await registry.locate("s1") == "b"
     assert await registry.node_sandboxes("b") == {"s1"}
+
+
+async def test_the_agent_publishes_a_change_of_usage_alone(registry: Registry) -> None:
+    """A create moving from starting to running changes no index entry (both hold a VM),
+    but the node's published usage must follow, or gateways keep counting it starting."""
+    store = FakeStore()
+    store.entries = [IndexEntry("s1")]
+    used = Usage(starting=1, vcpus_used=2, memory_used_mb=512)
+    agent = NodeAgent(registry, rec("n1", max_starting=8, vcpus=32, memory_mb=4096), store,
+                      lambda: used)
+    await agent.start()
+    try:
+        node = await registry.node("n1")
+        assert node is not None and (node.record.starting, node.record.vcpus_used,
+                                     node.record.memory_used_mb, node.record.vcpus) == \
+            (1, 2, 512, 32)
+        used = Usage(starting=0, vcpus_used=2, memory_used_mb=512)
+        await asyncio.sleep(0.5)                       # a beat (every TTL/3 = 0.2 s)
+        node = await registry.node("n1")
+        assert node is not None and node.record.starting == 0
+    finally:
+        await agent.close()
