@@ -34,6 +34,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +118,49 @@ def _unix_connect(path: Path) -> socket.socket:
     except BaseException:
         sock.close()
         raise
+
+
+@dataclass
+class Prestarted:
+    """A restore's VMM up to its device state (``QemuRuntime.prestart``): spawned in its
+    slot's netns with the snapshot's memory mapped and its drives open, QMP connected,
+    waiting (``-incoming defer``) for ``QemuRuntime.activate``. ``state_fd``: the number
+    of the device-state file's descriptor inside the VMM."""
+
+    plan: qemu_snapshot.RestorePlan
+    accel: AccelChoice
+    jail: Jail
+    process: VMMProcess
+    qmp: QMPClient
+    state_fd: int
+    started_at: float  # time.monotonic() at spawn
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def vm_id(self) -> str:
+        return self.plan.spec.vm_id
+
+    @property
+    def workdir(self) -> Path:
+        return self.plan.spec.workdir
+
+    def is_alive(self) -> bool:
+        return self.process.is_alive()
+
+
+def _restore_error(e: BaseException, snapshot_dir: Path, spec: VMSpec) -> BaseException:
+    """What a failed restore step raises: a ``SnapshotError`` with the VMM's log tail, or
+    the error itself when it is no failure of the VMM (a cancellation)."""
+    tail = wd.tail(spec.workdir / wd.VMM_LOG)
+    if isinstance(e, SnapshotError):
+        e.vmm_log_tail = e.vmm_log_tail or tail
+        return e
+    if isinstance(e, (BootError, QMPError, OSError, VMError)):
+        err = SnapshotError(f"restore of {snapshot_dir} failed: {e}", vm_id=spec.vm_id,
+                            vmm_log_tail=tail)
+        err.__cause__ = e
+        return err
+    return e
 
 
 class QemuVM(VM):
@@ -386,7 +430,18 @@ class QemuRuntime(Runtime):
         write the memory diff into its RAM, load the device state from an inherited fd
         (``migrate-incoming fd:N``), wait until it is loaded (paused), start the vCPUs.
         ``boot_timings``: ``qmp_ready``, ``state_loaded``, ``memory_applied``, ``running``
-        (seconds after spawn) and ``prepare`` (seconds before it: disks, links)."""
+        (seconds after spawn) and ``prepare`` (seconds before it: disks, links). It is
+        ``prestart`` then ``activate``: a pool of pre-started VMMs
+        (``aenv.runtime.vmm_pool``) runs the first ahead of demand."""
+        return await self.activate(await self.prestart(snapshot_dir, overrides))
+
+    async def prestart(self, snapshot_dir: Path, overrides: RestoreOverrides) -> Prestarted:
+        """Everything of a restore up to the device state: the working directory, the
+        confinement, QEMU spawned in ``overrides.netns`` with the snapshot's base memory
+        mapped copy-on-write and its drives open, the diff layers written into its RAM,
+        QMP connected. The VMM then waits (``-incoming defer``, ``-S``) for ``activate``;
+        ``discard`` ends one that is not wanted. On ``SnapshotError`` no VMM is left; the
+        working directory is."""
         binary = self._binary or qemu_binary()
         if binary is None:
             raise SnapshotError(f"{qemu_args.QEMU_BINARY} is not installed",
@@ -426,7 +481,28 @@ class QemuRuntime(Runtime):
             await joined
             await asyncio.to_thread(qemu_snapshot.apply_memory, process.pid, plan)
             timings["memory_applied"] = time.monotonic() - t0
-            await qmp.execute("migrate-incoming", {"uri": f"fd:{fd}"})
+        except BaseException as e:
+            process.kill_now()
+            with contextlib.suppress(BaseException):
+                await joined  # finished or failed by now; its error is not this one
+            await asyncio.to_thread(jail.release)
+            raise _restore_error(e, snapshot_dir, spec)  # noqa: B904 (chained by hand)
+        return Prestarted(plan=plan, accel=accel, jail=jail, process=process, qmp=qmp,
+                          state_fd=fd, started_at=t0, timings=timings)
+
+    async def activate(self, pre: Prestarted) -> QemuVM:
+        """Load the device state into a pre-started VMM and start its vCPUs: the part of a
+        restore that cannot be done ahead. ``boot_timings`` as ``restore``'s, plus
+        ``activate`` (seconds this call took). On ``SnapshotError`` the VMM is gone; the
+        working directory is left."""
+        spec, qmp, process, t0 = pre.plan.spec, pre.qmp, pre.process, pre.started_at
+        timings = dict(pre.timings)
+        t_act = time.monotonic()
+        try:
+            if not process.is_alive():
+                raise SnapshotError(f"VMM exited with status {process.returncode} while "
+                                    "waiting for its state", vm_id=spec.vm_id)
+            await qmp.execute("migrate-incoming", {"uri": f"fd:{pre.state_fd}"})
             deadline = time.monotonic() + QMP_TIMEOUT
             while (status := (await qmp.execute("query-status"))["status"]) == "inmigrate":  # type: ignore[index]
                 if time.monotonic() > deadline:
@@ -437,32 +513,32 @@ class QemuRuntime(Runtime):
                 raise SnapshotError(f"VMM came up {status} after loading", vm_id=spec.vm_id)
             timings["state_loaded"] = time.monotonic() - t0
             await qmp.execute("cont")
-            timings["running"] = time.monotonic() - t0
+            now = time.monotonic()
+            timings["running"] = now - t0
+            timings["activate"] = now - t_act
         except BaseException as e:
-            process.kill_now()
-            with contextlib.suppress(BaseException):
-                await joined  # finished or failed by now; its error is not this one
-            await asyncio.to_thread(jail.release)
-            tail = wd.tail(spec.workdir / wd.VMM_LOG)
-            if isinstance(e, SnapshotError):
-                e.vmm_log_tail = e.vmm_log_tail or tail
-                raise
-            if isinstance(e, (BootError, QMPError, OSError, VMError)):
-                raise SnapshotError(f"restore of {snapshot_dir} failed: {e}", vm_id=spec.vm_id,
-                                    vmm_log_tail=tail) from e
-            raise
-        vm = QemuVM(vm_id=spec.vm_id, workdir=spec.workdir, accel=accel, process=process,
+            await self.discard(pre)
+            raise _restore_error(e, pre.plan.snapshot_dir, spec)  # noqa: B904
+        vm = QemuVM(vm_id=spec.vm_id, workdir=spec.workdir, accel=pre.accel, process=process,
                     qmp=qmp, started_at=t0, boot_timings=timings,
-                    max_chain=self._max_chain, jail=jail)
+                    max_chain=self._max_chain, jail=pre.jail)
         log.info(
-            "restored %s from %s in %.0f ms (memory %.0f, loaded %.0f; pid %d)", spec.vm_id,
-            snapshot_dir, timings["running"] * 1000,
+            "restored %s from %s in %.0f ms (memory %.0f, loaded %.0f, activated in %.0f; "
+            "pid %d)", spec.vm_id, pre.plan.snapshot_dir, timings["running"] * 1000,
             (timings["memory_applied"] - timings["qmp_ready"]) * 1000,
-            timings["state_loaded"] * 1000, process.pid,
+            timings["state_loaded"] * 1000, timings["activate"] * 1000, process.pid,
             extra={"vm_id": spec.vm_id, "op": "restore", "phase": "running",
-                   "duration": timings["running"], "accel": accel.accel},
+                   "duration": timings["running"], "accel": pre.accel.accel},
         )
         return vm
+
+    async def discard(self, pre: Prestarted) -> None:
+        """End a pre-started VMM that will not be activated and release its confinement;
+        the working directory stays (``workdir.remove``)."""
+        with contextlib.suppress(QMPError, EOFError, OSError):
+            await pre.qmp.disconnect()
+        await asyncio.to_thread(pre.process.kill_now)
+        await asyncio.to_thread(pre.jail.release)
 
     async def attach(self, workdir: Path) -> QemuVM:
         """Find the live QEMU of ``workdir`` by its pidfile and take over its QMP socket."""

@@ -1,0 +1,350 @@
+"""Pre-started VMMs: a create from a template takes a VMM that already runs and only loads
+the device state into it.
+
+A restore spends most of its host-side time before the guest's state matters: the working
+directory and drive overlays, the confinement, the VMM's exec and start-up, the QMP
+handshake (~25-35 ms on this 2-core TCG host). None of it depends on the sandbox, only on
+the template's snapshot and a network slot: ``VMMPool`` runs it ahead of demand
+(``prestart`` of the driver) inside warm network slots and keeps the VMMs waiting, the
+snapshot's memory mapped copy-on-write and its drives open. A create takes one, has the
+slot's egress policy set and calls the driver's ``activate`` (device state, vCPUs on: a
+few ms).
+
+Sizing: per template snapshot ("shape": vCPUs and memory come with the snapshot), as many
+as were taken in the last ``window_s`` seconds, at least one while the snapshot was taken
+from in the last ``idle_s`` seconds, at most ``size``; all pooled VMMs together never hold
+more than ``memory_mb`` of guest memory (a pooled VMM is charged its guest's size, which
+is what it holds once a create takes it; while it waits it holds QEMU's own few MiB). The
+filler works one VMM at a time and only while no start is under way (``busy``) — between
+bursts — or once a refill has waited ``max_defer_s``.
+
+A pooled VMM that died is discarded when found (the create falls back to an ordinary
+restore); pooled VMMs of a snapshot that is gone (template deleted and collected) are
+discarded by ``prune``; ``close`` ends them all and gives their slots back. A server that
+crashed leaves them running: ``sweep`` kills the VMM of every pool working directory
+(``PREFIX``) before the node removes leftover directories and slots.
+
+VMM-neutral: the driver implements ``Prestarting`` (the QEMU driver does; the Firecracker
+one would with a process whose API socket is up, then ``PUT /snapshot/load``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Generic, Protocol, TypeVar
+
+from ..storage import snapshots as snap
+from . import workdir as wd
+from .base import VM, RestoreOverrides, VMError
+from .vmm_process import NotOurProcessError, VMMProcess
+
+log = logging.getLogger("aenv.runtime")
+
+PREFIX = "vp"  # working directories of pooled VMMs: <vms_dir>/vp<hex>
+_RETRY_AFTER_FAILURE_S = 2.0
+
+
+class PrestartedVMM(Protocol):
+    """What a driver's ``prestart`` returns."""
+
+    @property
+    def vm_id(self) -> str: ...
+
+    @property
+    def workdir(self) -> Path: ...
+
+    def is_alive(self) -> bool: ...
+
+
+P = TypeVar("P", bound=PrestartedVMM)
+
+
+class Prestarting(Protocol[P]):
+    """A driver whose restore splits into ``prestart`` (ahead of demand) and ``activate``."""
+
+    async def prestart(self, snapshot_dir: Path, overrides: RestoreOverrides) -> P: ...
+
+    async def activate(self, pre: P) -> VM: ...
+
+    async def discard(self, pre: P) -> None: ...
+
+
+class Lease(Protocol):
+    """A network slot as the pool needs it: the namespace the VMM is started in."""
+
+    @property
+    def netns(self) -> str: ...
+
+
+S = TypeVar("S", bound=Lease)
+
+
+@dataclass
+class Pooled(Generic[S]):
+    """One waiting VMM: its snapshot (``key``), the slot it runs in, its guest size."""
+
+    key: Path
+    pre: Any  # the driver's PrestartedVMM
+    slot: S
+    memory_mib: int
+    made_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def workdir(self) -> Path:
+        return Path(self.pre.workdir)
+
+
+def snapshot_key(snapshot_dir: Path) -> Path:
+    return snapshot_dir.resolve()
+
+
+class VMMPool(Generic[S]):
+    """Pre-started VMMs per template snapshot; see the module docstring. Use from one event
+    loop: ``start``, ``take``, ``give_back``/``discard``, ``prune``, ``close``."""
+
+    def __init__(self, runtime: Prestarting[Any], vms_dir: Path, *, size: int,
+                 memory_mb: int, acquire: Callable[[], Awaitable[S]],
+                 release: Callable[[S], Awaitable[None]], busy: Callable[[], bool],
+                 window_s: float = 60.0, idle_s: float = 600.0,
+                 max_defer_s: float = 2.0) -> None:
+        if size < 0 or memory_mb < 0:
+            raise ValueError("size and memory_mb must be >= 0")
+        self.runtime = runtime
+        self.vms_dir = vms_dir
+        self.size = size
+        self.memory_mb = memory_mb
+        self._acquire, self._release, self._busy = acquire, release, busy
+        self.window_s, self.idle_s, self.max_defer_s = window_s, idle_s, max_defer_s
+        self._idle: dict[Path, collections.deque[Pooled[S]]] = {}
+        self._takes: dict[Path, collections.deque[float]] = {}  # monotonic times of asks
+        self._making: dict[Path, int] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        self._failed_at: dict[Path, float] = {}
+        self.stats = {"hits": 0, "misses": 0, "made": 0, "discarded": 0, "dead": 0}
+
+    # -- life -------------------------------------------------------------------------------
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 0 and self.memory_mb > 0
+
+    def start(self) -> None:
+        if self.enabled and self._task is None:
+            self._task = asyncio.create_task(self._fill_loop(), name="aenv-vmm-pool")
+
+    async def close(self) -> None:
+        """Stop filling, end every pooled VMM and give its slot back."""
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        entries = [e for q in self._idle.values() for e in q]
+        self._idle.clear()
+        for entry in entries:
+            await self.discard(entry)
+
+    @staticmethod
+    def sweep(vms_dir: Path) -> list[str]:
+        """Kill the VMMs that a crashed server left waiting in pool working directories
+        (blocking). Their directories, cgroups and slots are then leftovers like any other.
+        Returns the directories whose VMM was killed."""
+        killed = []
+        for d in vms_dir.glob(f"{PREFIX}*") if vms_dir.is_dir() else ():
+            try:
+                pid = int((d / wd.PIDFILE).read_text().strip())
+                process = VMMProcess.adopt(pid, d)
+            except (OSError, ValueError, NotOurProcessError):
+                continue
+            process.kill_now()
+            killed.append(d.name)
+        return killed
+
+    # -- taking -----------------------------------------------------------------------------
+
+    def note(self, snapshot_dir: Path) -> None:
+        """Count one ask for ``snapshot_dir`` (a create from it), hit or miss."""
+        key = snapshot_key(snapshot_dir)
+        self._takes.setdefault(key, collections.deque()).append(time.monotonic())
+        self._wake.set()
+
+    async def take(self, snapshot_dir: Path) -> Pooled[S] | None:
+        """A live pooled VMM of ``snapshot_dir``, or None (then restore as usual). Dead
+        ones met on the way are discarded. Counts as demand either way."""
+        if not self.enabled or self._closed:
+            return None
+        key = snapshot_key(snapshot_dir)
+        self.note(key)
+        queue = self._idle.get(key)
+        while queue:
+            entry = queue.popleft()
+            if entry.pre.is_alive():
+                self.stats["hits"] += 1
+                return entry
+            self.stats["dead"] += 1
+            log.warning("pooled VMM %s of %s had exited; discarded", entry.pre.vm_id, key)
+            await self.discard(entry)
+        self.stats["misses"] += 1
+        return None
+
+    async def discard(self, entry: Pooled[S]) -> None:
+        """End a pooled VMM (taken or not) and free its working directory and slot."""
+        self.stats["discarded"] += 1
+        try:
+            await self.runtime.discard(entry.pre)
+        except (VMError, OSError):
+            log.exception("pooled VMM %s: discard failed", entry.pre.vm_id)
+        await asyncio.to_thread(wd.remove, entry.workdir)
+        try:
+            await self._release(entry.slot)
+        except Exception:
+            log.exception("pooled VMM %s: its slot was not released", entry.pre.vm_id)
+        self._wake.set()
+
+    async def prune(self) -> int:
+        """Discard the pooled VMMs whose snapshot is gone (its template deleted and its
+        files collected) or dead; forget the demand for a gone snapshot."""
+        n = 0
+        for key in list(self._idle):
+            gone = not (key / snap.MANIFEST).is_file()
+            queue = self._idle[key]
+            keep: collections.deque[Pooled[S]] = collections.deque()
+            while queue:
+                entry = queue.popleft()
+                if gone or not entry.pre.is_alive():
+                    await self.discard(entry)
+                    n += 1
+                else:
+                    keep.append(entry)
+            self._idle[key] = keep
+            if gone:
+                self._idle.pop(key, None)
+                self._takes.pop(key, None)
+        for key in [k for k in self._takes if not (k / snap.MANIFEST).is_file()]:
+            self._takes.pop(key, None)
+        return n
+
+    # -- sizing -----------------------------------------------------------------------------
+
+    def held_mb(self) -> int:
+        """Guest memory the pool holds now (waiting VMMs and those being made)."""
+        return sum(e.memory_mib for q in self._idle.values() for e in q) + sum(
+            n * _memory_mib(k) for k, n in self._making.items())
+
+    def idle(self, snapshot_dir: Path | None = None) -> int:
+        if snapshot_dir is not None:
+            return len(self._idle.get(snapshot_key(snapshot_dir), ()))
+        return sum(len(q) for q in self._idle.values())
+
+    def target(self, key: Path, now: float | None = None) -> int:
+        """How many VMMs of ``key`` the pool aims to hold: the asks of the last
+        ``window_s`` seconds, at least one after an ask in the last ``idle_s``, at most
+        ``size``."""
+        now = time.monotonic() if now is None else now
+        asks = self._takes.get(key)
+        if not asks:
+            return 0
+        while asks and asks[0] < now - max(self.window_s, self.idle_s):
+            asks.popleft()
+        if not asks:
+            return 0
+        recent = sum(1 for t in asks if t >= now - self.window_s)
+        return min(self.size, max(1, recent))
+
+    def _next_to_make(self) -> Path | None:
+        """The snapshot furthest below its target that fits the memory budget."""
+        now = time.monotonic()
+        best: tuple[int, Path] | None = None
+        for key in list(self._takes):
+            if now - self._failed_at.get(key, -1e9) < _RETRY_AFTER_FAILURE_S:
+                continue
+            have = len(self._idle.get(key, ())) + self._making.get(key, 0)
+            short = self.target(key, now) - have
+            if short <= 0 or not (key / snap.MANIFEST).is_file():
+                continue
+            if self.held_mb() + _memory_mib(key) > self.memory_mb:
+                continue
+            if best is None or short > best[0]:
+                best = (short, key)
+        return best[1] if best else None
+
+    # -- filling ----------------------------------------------------------------------------
+
+    async def _fill_loop(self) -> None:
+        deferred_since: float | None = None
+        while not self._closed:
+            key = self._next_to_make()
+            if key is None:
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), 1.0)
+                deferred_since = None
+                continue
+            now = time.monotonic()
+            if self._busy():
+                deferred_since = deferred_since or now
+                if now - deferred_since < self.max_defer_s:
+                    await asyncio.sleep(0.02)
+                    continue
+            deferred_since = None
+            try:
+                await self.fill_one(key)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self._failed_at[key] = time.monotonic()
+                log.warning("pre-starting a VMM of %s failed: %s", key, e)
+
+    async def fill_one(self, key: Path) -> Pooled[S]:
+        """Pre-start one VMM of snapshot ``key`` in a slot of its own and pool it."""
+        key = snapshot_key(key)
+        memory_mib = _memory_mib(key)
+        self._making[key] = self._making.get(key, 0) + 1
+        try:
+            slot = await self._acquire()
+            vm_id = f"{PREFIX}{secrets.token_hex(6)}"
+            workdir = self.vms_dir / vm_id
+            try:
+                pre = await self.runtime.prestart(key, RestoreOverrides(
+                    vm_id=vm_id, workdir=workdir, netns=slot.netns))
+            except BaseException:
+                await asyncio.to_thread(wd.remove, workdir)
+                await self._release(slot)
+                raise
+        finally:
+            self._making[key] -= 1
+            if not self._making[key]:
+                del self._making[key]
+        entry: Pooled[S] = Pooled(key, pre, slot, memory_mib)
+        if self._closed:
+            await self.discard(entry)
+            raise VMError("the VMM pool was closed while a VMM was being pre-started")
+        self._idle.setdefault(key, collections.deque()).append(entry)
+        self.stats["made"] += 1
+        log.info("pre-started VMM %s of %s (%d waiting)", vm_id, key.name,
+                 len(self._idle[key]))
+        return entry
+
+
+_SIZES: dict[Path, int] = {}  # snapshot -> guest MiB (a snapshot never changes)
+
+
+def _memory_mib(key: Path) -> int:
+    """The guest memory of snapshot ``key`` (its manifest's), in MiB; 0 when unreadable."""
+    if key not in _SIZES:
+        try:
+            _SIZES[key] = snap.read_manifest(key).memory_size >> 20
+        except Exception:
+            return 0
+    return _SIZES[key]
