@@ -395,6 +395,10 @@ class Settings(_Declared):
     max_sandbox_disk_mb: int = setting(
         "AENV_MAX_SANDBOX_DISK_MB", 65536, check=_at_least(1),
         doc="largest disk of one sandbox, MiB")
+    volume_size_mb: int = setting(
+        "AENV_VOLUME_SIZE_MB", 1024, check=_at_least(16),
+        doc="size of each new volume, MiB: its quota (a sparse ext4 image, "
+            "`$AENV_HOME/volumes/<id>/data.img`)")
     # As many as a fork's default cap (16 children): made on demand during a fork, the
     # slots cost each child 0.4-0.6 s under contention; kept warm they cost ~100 KiB of
     # kernel memory each and a fork finds them all made.

@@ -31,6 +31,7 @@ from .orchestrator.machine import Machines
 from .orchestrator.metrics import MetricsCollector
 from .orchestrator.service import Limits, Orchestrator
 from .orchestrator.template_records import BASE_TEMPLATE, builtin_base
+from .orchestrator.volumes import Volumes
 from .proxy import ProxyRouter, Route, RouteTable
 from .proxy.front import Front
 from .store import (
@@ -42,6 +43,7 @@ from .store import (
 )
 from .store.secret_box import SecretBox, load_key
 from .store.secrets import SecretStore
+from .store.volumes import VolumeStore
 
 log = logging.getLogger("aenv.server")
 
@@ -95,6 +97,7 @@ class Server:
         self.db = Database(settings.home / "aenv.db")
         self.sandboxes = SandboxStore(self.db)
         self.templates = TemplateStore(self.db)
+        self.volumes = Volumes(VolumeStore(self.db), self.sandboxes, settings)
         self.secrets = SecretStore(self.db, SecretBox(load_key(settings.secrets_dir)))
         self.machines = machines
         self.orchestrator = Orchestrator(
@@ -129,6 +132,7 @@ class Server:
             cluster_secret=settings.cluster_secret if settings.cluster else None,
             secret_store=self.secrets,
             extra_routers=(drain_router(self.cluster),) if self.cluster else (),
+            volume_service=self.volumes,
         )
         if self.cluster is not None:
             api = PublishAfterChange(api, self.cluster)
@@ -182,6 +186,7 @@ class Server:
         await self.builder.close()
         await self.orchestrator.close()
         await self.machines.close()
+        await asyncio.to_thread(self.volumes.close)
         await self.proxy.close()
         self.db.close()
 

@@ -19,7 +19,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..orchestrator.service import Orchestrator
-from . import errors, sandboxes, secrets, snapshots, templates
+from . import errors, sandboxes, secrets, snapshots, templates, volume_content, volumes
 from .auth import ApiKeyMiddleware
 from .errors import ApiError, error_response
 
@@ -82,6 +82,7 @@ def create_api(
     extra_routers: tuple[APIRouter, ...] = (),
     cluster_secret: str | None = None,
     secret_store: Any = None,
+    volume_service: Any = None,
 ) -> ASGIApp:
     app = FastAPI(title="aenv", openapi_url="/openapi.json", docs_url=None, redoc_url=None,
                   lifespan=lifespan)
@@ -93,6 +94,7 @@ def create_api(
     app.state.upload_secret = upload_secret
     app.state.upload_limit = upload_limit
     app.state.upload_link_ttl = upload_link_ttl
+    app.state.volumes = volume_service
     app.state.secrets = secret_store  # None: /secrets answers 501
     errors.install(app)
 
@@ -107,8 +109,11 @@ def create_api(
     app.include_router(sandboxes.router)
     app.include_router(templates.router)
     app.include_router(snapshots.router)
+    app.include_router(volumes.router)
     app.include_router(secrets.router)
     for router in extra_routers:
         app.include_router(router)
     limited = BodyLimit(app, overrides=[("PUT", UPLOAD_PATH, upload_limit)])
-    return ApiKeyMiddleware(limited, api_key, cluster_secret)
+    outer = ApiKeyMiddleware(limited, api_key, cluster_secret)
+    # The volume content API has its own auth, errors and body rules (volume_content).
+    return volume_content.mount(outer, volume_service) if volume_service else outer

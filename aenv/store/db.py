@@ -140,6 +140,10 @@ _MIGRATIONS: list[str] = [
     DELETE FROM template_names WHERE name IN (SELECT name FROM tag_names);
     DROP TABLE tag_names;
     """,
+    # 4: the volumes a sandbox mounts, [{name, path, volumeID}] as JSON (store/volumes.py).
+    """
+    ALTER TABLE sandboxes ADD COLUMN volume_mounts TEXT;
+    """,
 ]
 
 

@@ -18,7 +18,7 @@ from .states import BuildStatus, SandboxState, TemplateKind
 
 T = TypeVar("T")
 
-_JSON_FIELDS = {"metadata", "env_vars", "network", "spec"}
+_JSON_FIELDS = {"metadata", "env_vars", "network", "spec", "volume_mounts"}
 _BOOL_FIELDS = {"secure", "auto_pause", "auto_pause_memory", "auto_resume", "allow_internet",
                 "public"}
 
@@ -57,6 +57,8 @@ class SandboxRecord:
     idempotency_key: str | None = None
     reason: str | None = None
     restored_from: str | None = None
+    # [{name, path, volumeID}] (orchestrator.volumes): fork children inherit it.
+    volume_mounts: list[dict[str, str]] | None = None
 
 
 @dataclass
