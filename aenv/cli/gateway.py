@@ -14,7 +14,7 @@ import logging
 import typer
 
 from ..config import SettingsError
-from .server import ListenError, _flag, _listen, server_settings
+from .serving import ListenError, flag, listen, run, server_settings
 
 
 def register(app: typer.Typer) -> None:
@@ -22,10 +22,10 @@ def register(app: typer.Typer) -> None:
 
 
 def gateway(
-    host: str | None = _flag("listen_host"),
-    port: int | None = _flag("listen_port"),
-    cluster: str | None = _flag("cluster"),
-    log_level: str | None = _flag("log_level"),
+    host: str | None = flag("listen_host"),
+    port: int | None = flag("listen_port"),
+    cluster: str | None = flag("cluster"),
+    log_level: str | None = flag("log_level"),
 ) -> None:
     """Serve the E2B API and sandbox traffic of a cluster's nodes on one listener."""
     import uvicorn
@@ -42,7 +42,7 @@ def gateway(
         if not s.cluster_secret:
             raise SettingsError("AENV_CLUSTER_SECRET is required (the nodes' one)")
         api_key, key_file = load_api_key(s.secrets_dir, s.api_key)
-        sock = _listen(s.listen_host, s.listen_port)
+        sock = listen(s.listen_host, s.listen_port)
     except (SettingsError, ApiKeyError, ListenError) as e:
         typer.echo(f"aenv gateway: {e}", err=True)
         raise typer.Exit(1) from None
@@ -55,11 +55,4 @@ def gateway(
         s.cluster.split("@")[-1], key_file or "from AENV_API_KEY")
     uv = uvicorn.Server(uvicorn.Config(gw.app, log_level=s.log_level, access_log=False,
                                        timeout_keep_alive=300, lifespan="on"))
-    try:
-        uv.run(sockets=[sock])
-    except KeyboardInterrupt:
-        pass
-    finally:
-        sock.close()
-    if not uv.started:
-        raise typer.Exit(3)
+    run(uv, sock)

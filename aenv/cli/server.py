@@ -18,81 +18,35 @@ value of either stops the server at once with an error naming the flag or the va
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import socket
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import typer
 
-from ..config import Settings, SettingsError
+from ..config import SettingsError
+from .serving import ListenError, flag, listen, run, server_settings
 
 
 def register(app: typer.Typer) -> None:
     app.command()(server)
 
 
-class ListenError(Exception):
-    pass
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port (close-on-exec: VMMs must not inherit it)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        # Lets a restarted server bind while the old one's connections sit in TIME_WAIT;
-        # still fails while anything listens there.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(2048)
-    except OSError as e:
-        sock.close()
-        where = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
-        if e.errno == errno.EADDRINUSE:
-            raise ListenError(f"cannot listen on {where}: the port is in use (another aenv "
-                              "server?); pick another with --port / AENV_LISTEN_PORT") from None
-        raise ListenError(f"cannot listen on {where}: {e.strerror or e}") from None
-    return sock
-
-
-def _flag(name: str, **options: Any) -> Any:
-    """The option for setting ``name`` (its ``flag=`` in aenv.config): None unless given,
-    so the settings' value stands (the variable's, else the declared default)."""
-    f, var = Settings.declared(name)
-    if var.flag is None:
-        raise TypeError(f"setting {name!r} declares no flag= (aenv.config): no option")
-    default = (var.shown or Settings.default_text(f) or "unset").replace("`", "")
-    return typer.Option(None, var.flag, show_default=False, **options,
-                        help=f"{var.doc.replace('`', '')} (env {var.name}, default {default})")
-
-
-def server_settings(given: dict[str, Any], environ: Mapping[str, str] | None = None
-                    ) -> Settings:
-    """The settings ``aenv server`` runs with: its flags (``given``, None where absent)
-    over the environment over the declared defaults."""
-    flags = {f.name: v.flag.split("/")[0] for f, v in Settings.variables() if v.flag}
-    return Settings.from_env(environ).override(given, flags)
-
-
 def server(
-    host: str | None = _flag("listen_host"),
-    port: int | None = _flag("listen_port"),
-    domain: str | None = _flag("domain"),
-    max_sandboxes: int | None = _flag("max_sandboxes"),
-    max_starting: int | None = _flag("max_starting"),
-    max_fork: int | None = _flag("max_fork"),
-    log_level: str | None = _flag("log_level"),
-    snapshot_base: bool | None = _flag("snapshot_base"),
-    tls_cert: Path | None = _flag("tls_cert", dir_okay=False),
-    tls_key: Path | None = _flag("tls_key", dir_okay=False),
-    tls_self_signed: bool | None = _flag("tls_self_signed"),
-    cluster: str | None = _flag("cluster"),
-    node_id: str | None = _flag("node_id"),
-    advertise: str | None = _flag("advertise_url"),
+    host: str | None = flag("listen_host"),
+    port: int | None = flag("listen_port"),
+    domain: str | None = flag("domain"),
+    max_sandboxes: int | None = flag("max_sandboxes"),
+    max_starting: int | None = flag("max_starting"),
+    max_fork: int | None = flag("max_fork"),
+    log_level: str | None = flag("log_level"),
+    snapshot_base: bool | None = flag("snapshot_base"),
+    tls_cert: Path | None = flag("tls_cert", dir_okay=False),
+    tls_key: Path | None = flag("tls_key", dir_okay=False),
+    tls_self_signed: bool | None = flag("tls_self_signed"),
+    cluster: str | None = flag("cluster"),
+    node_id: str | None = flag("node_id"),
+    advertise: str | None = flag("advertise_url"),
 ) -> None:
     """Serve the E2B-compatible API and sandbox traffic on one listener."""
     import uvicorn
@@ -128,7 +82,7 @@ def server(
     log.debug("%r", s)  # the API key shows as <hidden>
     try:
         lock = claim_instance(s)  # held until the process exits
-        sock = _listen(s.listen_host, s.listen_port)
+        sock = listen(s.listen_host, s.listen_port)
         load_api_key(s.secrets_dir, s.api_key)  # refuse a bad key before building anything
         tls = listener_tls(s.secrets_dir, s.domain, cert=s.tls_cert, key=s.tls_key,
                            self_signed=s.tls_self_signed)
@@ -158,14 +112,4 @@ def server(
                             **(tls.uvicorn_options() if tls else {}))
     # In a cluster the first SIGTERM drains before stopping (aenv.cluster.drain).
     uv = DrainingServer(config, srv.drain if srv.cluster is not None else None)
-    try:
-        # After a signal uvicorn re-raises it once shut down: SIGTERM then ends the
-        # process with the usual status, SIGINT arrives here as KeyboardInterrupt.
-        uv.run(sockets=[sock])
-    except KeyboardInterrupt:
-        pass
-    finally:
-        sock.close()
-        lock.release()
-    if not uv.started:
-        raise typer.Exit(3)  # what uvicorn.run exits with when the startup failed
+    run(uv, sock, then=lock.release)
