@@ -378,8 +378,9 @@ class Settings(_Declared):
         "AENV_RETENTION_HOURS", 24.0, check=_at_least(0),
         doc="killed and lost sandboxes are forgotten this long after they ended")
     cpu_overcommit: float = setting(
-        "AENV_CPU_OVERCOMMIT", 16.0, check=_above(0),
-        doc="guest vCPUs admitted per host CPU")
+        "AENV_CPU_OVERCOMMIT", 64.0, check=_above(0),
+        doc="guest vCPUs admitted per host CPU (idle sandboxes cost little CPU; starts are "
+            "held to `AENV_MAX_STARTING`)")
     memory_overcommit: float = setting(
         "AENV_MEMORY_OVERCOMMIT", 2.0, check=_above(0),
         doc="guest memory admitted per byte of host RAM")

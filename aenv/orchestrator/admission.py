@@ -11,9 +11,10 @@ builds, the base template's snapshot boot — take a ``reserve`` for their lifet
 count like sandboxes.
 
 Overcommit is the norm for sandboxes: a restored guest shares the template's memory pages
-until it writes them, and idle guests use little CPU. The defaults (vCPUs 16x the host's
-cores, memory 2x its RAM) let a 2-core, 24 GiB host hold ~100 idle 512 MiB sandboxes;
-lower them where guests are busy.
+until it writes them, and idle guests use little CPU. The defaults (vCPUs 64x the host's
+cores, memory 2x its RAM) let a 2-core, 24 GiB host hold ~96 idle 1-vCPU 512 MiB
+sandboxes (at 16x, 32 vCPUs refused half of a burst of 64 creates from base); lower them
+where guests are busy.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from .machine import NodeResources
 
 @dataclass(frozen=True)
 class Budget:
-    cpu_overcommit: float = 16.0
+    cpu_overcommit: float = 64.0
     memory_overcommit: float = 2.0
     # Kept free in AENV_HOME for the store, logs and snapshot manifests.
     disk_reserve_mb: int = 1024
