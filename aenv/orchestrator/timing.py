@@ -1,5 +1,5 @@
-"""Where lifecycle time goes: per-phase durations, measured by ``PhaseTimer`` and kept as
-Prometheus histograms.
+"""Where lifecycle time goes: per-phase durations, measured by ``PhaseTimer``
+(``aenv.phase_timer``, re-exported here) and kept as Prometheus histograms.
 
 Phases of a create: ``orchestrator`` (checks, store writes), then what the machines report
 (``slot``, ``disk``, ``prepare``, ``vmm``, ``kernel``, ``init``, ``envd``, ``envd_init``).
@@ -9,10 +9,11 @@ and fork answers carry their phases the same way (``parse_server_timing`` reads 
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 from prometheus_client import Histogram
+
+from ..phase_timer import PhaseTimer as PhaseTimer  # re-exported: the orchestrator's timer
 
 PHASE_SECONDS = Histogram(
     "aenv_sandbox_phase_seconds", "Duration of one phase of a sandbox operation",
@@ -20,52 +21,6 @@ PHASE_SECONDS = Histogram(
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10,
              30, 60),
 )
-
-
-class PhaseTimer:
-    """Seconds per named phase of one operation, in the order the phases ran.
-
-    ``mark(name)`` ends the phase that ran since the previous mark (or since the timer was
-    made) and starts the next; ``skip`` starts the next without naming what ran meanwhile;
-    ``add`` records phases someone else measured (a boot's own breakdown, the machines'
-    share of a create) without moving the mark; ``remainder(name)`` names what the whole took
-    beyond every phase recorded so far. ``phases`` is what ``record_phases`` and
-    ``server_timing`` take. Each of ``__init__``, ``mark``, ``skip``, ``elapsed`` and
-    ``remainder`` reads the clock once.
-    """
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self.started = self._last = clock()
-        self.phases: dict[str, float] = {}
-
-    def mark(self, phase: str, *, excluding: float = 0.0) -> float:
-        """End ``phase`` now; ``excluding`` is the part of it that phases added next account
-        for. Returns the clock's reading."""
-        now = self._clock()
-        self.phases[phase] = now - self._last - excluding
-        self._last = now
-        return now
-
-    def skip(self) -> None:
-        """Start the next phase now: what ran since the last mark is no phase."""
-        self._last = self._clock()
-
-    def add(self, phases: Mapping[str, float]) -> None:
-        self.phases.update(phases)
-
-    def elapsed(self) -> float:
-        """Seconds since the timer was made."""
-        return self._clock() - self.started
-
-    def remainder(self, phase: str) -> float:
-        """Record ``phase`` as the time since the start that no recorded phase holds."""
-        self.phases[phase] = value = self.elapsed() - sum(self.phases.values())
-        return value
-
-    def summary(self) -> str:
-        """``slot=12ms disk=3ms ...``, for a log line."""
-        return " ".join(f"{k}={v * 1000:.0f}ms" for k, v in self.phases.items())
 
 
 def record_phases(operation: str, phases: Mapping[str, float]) -> None:

@@ -61,6 +61,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..phase_timer import PhaseTimer
 from ..storage import snapshots
 from . import confine, snapshot_recipe
 from . import firecracker_api as fc
@@ -256,16 +257,16 @@ class FirecrackerVM(VM):
         return str(info["state"])
 
     async def pause(self) -> None:
-        t = time.monotonic()
+        t = PhaseTimer()
         await self._call(fc.patch_vm("Paused"))
         log.info("paused", extra={"vm_id": self.vm_id, "op": "pause",
-                                  "duration": time.monotonic() - t})
+                                  "duration": t.elapsed()})
 
     async def resume(self) -> None:
-        t = time.monotonic()
+        t = PhaseTimer()
         await self._call(fc.patch_vm("Resumed"))
         log.info("resumed", extra={"vm_id": self.vm_id, "op": "resume",
-                                   "duration": time.monotonic() - t})
+                                   "duration": t.elapsed()})
 
     async def snapshot(self, directory: Path, *, stop: bool = False,
                        incremental: bool = True) -> SnapshotInfo:
@@ -287,14 +288,14 @@ class FirecrackerVM(VM):
     async def stop(self, timeout: float = 5.0) -> None:
         """SIGTERM the process group, SIGKILL after ``timeout``; leaves the working
         directory (see ``workdir.remove``)."""
-        t = time.monotonic()
+        t = PhaseTimer()
         await self._process.terminate(timeout)
         await self._api.aclose()
         self._process.close()
         if not self._process.is_alive():
             await asyncio.to_thread(self.jail.release)
         log.info("stopped", extra={"vm_id": self.vm_id, "op": "stop",
-                                   "duration": time.monotonic() - t})
+                                   "duration": t.elapsed()})
 
     async def wait(self) -> int | None:
         return await self._process.wait()
@@ -337,7 +338,6 @@ class FirecrackerCapture(CaptureSteps):
         if self.was_running:
             c.undo.push("the freeze", self._unfreeze)
             await self.vm._call(fc.patch_vm("Paused"))
-        c.phases["pause"] = time.monotonic() - c.frozen_at
 
     async def _unfreeze(self) -> None:
         """The freeze's undo: the vCPUs run again, if the VMM is there."""
@@ -350,7 +350,6 @@ class FirecrackerCapture(CaptureSteps):
         base for a diff; a refused one changes nothing."""
         vm = self.vm
         vm._set_memory_parent(None)
-        t = time.monotonic()
         paths = await asyncio.to_thread(self._paths, self.staging)
         try:
             await vm._call(fc.create_snapshot(*paths, self.memory_plan.snapshot_type),
@@ -360,23 +359,18 @@ class FirecrackerCapture(CaptureSteps):
             raise
         finally:
             await asyncio.to_thread(self._out_of_jail, self.staging)
-        c.phases["create"] = time.monotonic() - t
 
     async def save_memory(self, c: Capture) -> None:
         """Nothing: ``save_state``'s create wrote the memory file too."""
 
     async def drives(self, c: Capture) -> None:
-        t = time.monotonic()
         self.images, self.disk_bytes = await asyncio.to_thread(self._copy_drives,
                                                                self.staging)
-        c.phases["drives"] = time.monotonic() - t
 
     async def thaw(self, c: Capture) -> None:
         if self.was_running and not c.stop:
-            t = time.monotonic()
             await self.vm._call(fc.patch_vm("Resumed"))
             c.undo.drop("the freeze")
-            c.phases["resume"] = time.monotonic() - t
 
     async def commit(self, c: Capture) -> Captured:
         """The layers the memory file makes (a diff layer's runs are read from its
@@ -401,10 +395,8 @@ class FirecrackerCapture(CaptureSteps):
         self.vm._set_memory_parent(c.directory)
         if c.stop:
             c.vmm_stopped = True
-            t = time.monotonic()
+            c.frozen_until_finish = True
             await self.vm.stop()
-            c.phases["stop"] = time.monotonic() - t
-            c.thawed_at = time.monotonic()
 
     def _paths(self, staging: Path) -> tuple[str, str]:
         """Where ``/snapshot/create`` writes, as Firecracker names it. Jailed, that is a
@@ -611,7 +603,7 @@ class FirecrackerRuntime(Runtime):
                 raise
         vm, t_configured = await self._start(
             spec.vm_id, spec.workdir, launch, machine, requests, restored_from=None)
-        t = time.monotonic()
+        t = PhaseTimer()
         try:
             await vm._call(fc.instance_start())
         except BaseException as e:
@@ -619,9 +611,11 @@ class FirecrackerRuntime(Runtime):
             if error is e:
                 raise
             raise error from e
-        vm.boot_timings.update(configured=t_configured, qmp_ready=time.monotonic() - vm.started_at)
+        t.mark("instance_start")
+        vm.boot_timings.update(configured=t_configured,
+                               qmp_ready=t_configured + t.phases["instance_start"])
         log.info("booted %s in %.0f ms (pid %d, InstanceStart %.0f ms)", spec.vm_id,
-                 vm.boot_timings["qmp_ready"] * 1000, vm.pid, (time.monotonic() - t) * 1000,
+                 vm.boot_timings["qmp_ready"] * 1000, vm.pid, t.phases["instance_start"] * 1000,
                  extra={"vm_id": spec.vm_id, "op": "boot", "phase": "instance_start",
                         "duration": vm.boot_timings["qmp_ready"]})
         return vm
@@ -644,7 +638,7 @@ class FirecrackerRuntime(Runtime):
         returns with the VM running. Any failure is a ``SnapshotError`` (the cause chained),
         with no process left behind."""
         vm_id, workdir = overrides.vm_id, overrides.workdir
-        t0 = time.monotonic()
+        t = PhaseTimer()
         try:
             manifest = snapshots.read_manifest(snapshot_dir)
             if manifest.driver != fcsnap.DRIVER:
@@ -676,15 +670,15 @@ class FirecrackerRuntime(Runtime):
             except BaseException:
                 await asyncio.to_thread(launch.jail.release)
                 raise
-            t_files = time.monotonic() - t0
+            t.mark("files")
             requests = [
                 *self._observability(),
                 fc.load_snapshot(*paths, track_dirty_pages=machine.track_dirty_pages,
                                  resume_vm=True, network_overrides=overrides_net),
             ]
-            vm, t_loaded = await self._start(vm_id, workdir, launch, machine, requests,
-                                             restored_from=snapshot_dir,
-                                             last_timeout=LOAD_TIMEOUT)
+            vm, _ = await self._start(vm_id, workdir, launch, machine, requests,
+                                      restored_from=snapshot_dir, last_timeout=LOAD_TIMEOUT)
+            t.mark("loaded")
         except SnapshotError:
             raise
         except BootError as e:
@@ -692,10 +686,11 @@ class FirecrackerRuntime(Runtime):
                                 vmm_log_tail=e.vmm_log_tail) from (e.__cause__ or e)
         except (OSError, snapshots.SnapshotFilesError) as e:
             raise SnapshotError(f"restore of {snapshot_dir} failed: {e}", vm_id=vm_id) from e
-        vm.boot_timings.update(files=t_files, loaded=t_loaded)
+        vm.boot_timings.update(t.phases)
+        total = t.elapsed()
         log.info("restored %s from %s in %.0f ms (files %.0f ms, pid %d)", vm_id, snapshot_dir,
-                 (time.monotonic() - t0) * 1000, t_files * 1000, vm.pid,
-                 extra={"vm_id": vm_id, "op": "restore", "duration": time.monotonic() - t0})
+                 total * 1000, t.phases["files"] * 1000, vm.pid,
+                 extra={"vm_id": vm_id, "op": "restore", "duration": total})
         return vm
 
     @staticmethod
@@ -760,7 +755,7 @@ class FirecrackerRuntime(Runtime):
             "confinement": launch.jail.record() if launch.jailed else None,
         }
         _write_json(workdir / wd.MANIFEST, record)
-        t0 = time.monotonic()
+        spawn = PhaseTimer()
         try:
             process = await asyncio.to_thread(VMMProcess.spawn, argv, workdir,
                                               workdir / wd.VMM_LOG)
@@ -770,10 +765,11 @@ class FirecrackerRuntime(Runtime):
         (workdir / wd.PIDFILE).write_text(f"{process.pid}\n")
         api = fc.FirecrackerAPI(launch.api_socket, vm_id=vm_id)
         vm = FirecrackerVM(vm_id=vm_id, workdir=workdir, process=process, api=api,
-                           record=record, started_at=t0, jail=launch.jail, root=launch.root)
+                           record=record, started_at=spawn.started, jail=launch.jail,
+                           root=launch.root)
         try:
-            version = await self._wait_for_api(vm, t0 + API_TIMEOUT)
-            vm.boot_timings["api_ready"] = time.monotonic() - t0
+            version = await self._wait_for_api(vm, spawn.started + API_TIMEOUT)
+            vm.boot_timings["api_ready"] = spawn.elapsed()
             if fc.parse_version(version) < fc.MIN_VERSION:
                 raise BootError(f"Firecracker {version} is too old: aenv needs v1.14 or newer",
                                 vm_id=vm_id)
@@ -789,7 +785,7 @@ class FirecrackerRuntime(Runtime):
             if error is e:
                 raise
             raise error from e
-        return vm, time.monotonic() - t0
+        return vm, spawn.elapsed()
 
     @staticmethod
     async def _wait_for_api(vm: FirecrackerVM, deadline: float) -> str:

@@ -82,6 +82,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from ..phase_timer import PhaseTimer
 from ..storage import snapshots as snap
 from ..storage.disks import DiskError, create_disk, reflink
 from ..storage.errors import StorageError
@@ -354,14 +355,14 @@ def _write_changed(mem: gm.ProcessMemory, writer: snap.LayerWriter,
 def _capture_private(pid: int, workdir: Path, staging: Path, parent: snap.Manifest,
                      *, incremental: bool, max_chain: int) -> _MemoryResult:
     """A restored VM: the pages it wrote, against its parent's layer stack."""
-    t = time.monotonic()
+    t = PhaseTimer()
     size = parent.memory_size
     npages = size // PAGE
     layers = parent.layers
     mapping = gm.find_mapping(pid, workdir / wd.BASE_MEMORY, size)
     runs = gm.private_runs(pid, mapping)
     private = sum(n for _, n in runs)
-    phases = {"scan": time.monotonic() - t}
+    t.mark("scan")
     compact = len(layers) > max_chain  # one more diff would exceed the limit
     full = not incremental or (compact and private > FULL_FRACTION * npages)
     ref_fds = [os.open(la.path, os.O_RDONLY) for la in layers]
@@ -373,14 +374,15 @@ def _capture_private(pid: int, workdir: Path, staging: Path, parent: snap.Manife
             writer = snap.LayerWriter(staging, size, "diff")
             # Compacting: the new diff sits on the base alone, so compare with the base.
             owners = bytearray(npages) if compact else snap.owner_map(layers, npages)
-        phases["prepare"] = time.monotonic() - t
+        t.mark("prepare")
         with gm.ProcessMemory(pid, mapping) as mem:
             _write_changed(mem, writer, runs, owners, ref_fds)
         layer = writer.close()
     finally:
         for fd in ref_fds:
             os.close(fd)
-    phases["copy"] = time.monotonic() - t
+    t.mark("copy")
+    phases = t.phases
     written = writer.pages * PAGE
     if full:
         return _MemoryResult((layer,), written, True, phases, "full")
@@ -534,11 +536,11 @@ def _flatten(p: _DrivePlan, staging: Path, *, shared: bool) -> None:
 
 class QemuCapture(CaptureSteps):
     """``QemuVM.snapshot`` as the steps of ``aenv.runtime.snapshot_recipe`` (what each one
-    does to memory and drives: the module docstring). ``phases``: ``plan``;
-    ``device_state`` and ``memory``, seconds after the freeze began; ``frozen``; ``drives``,
-    the chain compaction after the thaw; ``memory_scan``, ``memory_prepare`` and
-    ``memory_copy`` for a restored VM. A pause (``stop``) stays frozen from ``freeze`` until
-    its VMM quits in ``finish``; ``freeze_s`` counts until the capture was complete."""
+    does to memory and drives: the module docstring). ``phases``: the recipe's steps, and
+    finer ones within them: ``memory_scan``, ``memory_prepare`` and ``memory_copy`` (of
+    ``save_memory``, for a restored VM) and ``commit_compact`` (the chain compaction after
+    the thaw). A pause (``stop``) stays frozen from ``freeze`` until its VMM quits in
+    ``finish``; ``freeze_s`` counts until the capture was complete (``thaw``)."""
 
     def __init__(self, vm: QemuVM, max_chain: int) -> None:
         self.vm = vm
@@ -569,7 +571,6 @@ class QemuCapture(CaptureSteps):
         self.plans = await asyncio.to_thread(
             _plan_drives, vm.workdir, self.machine, self.lineage, self.parent, c.directory,
             stop=c.stop, incremental=c.incremental, max_chain=self.max_chain, jail=vm.jail)
-        c.phases["plan"] = time.monotonic() - c.started_at
         self.was_running = await vm.status() == "running"
 
     async def freeze(self, c: Capture) -> None:
@@ -586,7 +587,6 @@ class QemuCapture(CaptureSteps):
 
     async def save_state(self, c: Capture) -> None:
         await _save_device_state(self.vm, self.staging / snap.DEVICE_STATE)
-        c.phases["device_state"] = time.monotonic() - c.frozen_at
 
     async def save_memory(self, c: Capture) -> None:
         """A restored VM: the pages it wrote, against its parent's stack; a booted one: a
@@ -599,7 +599,6 @@ class QemuCapture(CaptureSteps):
                 incremental=c.incremental, max_chain=self.max_chain)
         else:
             self.mem = await asyncio.to_thread(_capture_shared, vm.workdir, self.staging)
-        c.phases["memory"] = time.monotonic() - c.frozen_at
 
     async def drives(self, c: Capture) -> None:
         """A pause links each writable top into the snapshot (the VM's own name goes in
@@ -623,7 +622,7 @@ class QemuCapture(CaptureSteps):
     async def commit(self, c: Capture) -> Captured:
         """Compact the drive chains that grew too deep (off the freeze: O(data in the
         chain)), then the manifest and ``snapshots.commit``."""
-        c.phases["frozen"] = c.thawed_at - c.frozen_at
+        compacting = PhaseTimer()
         for p in self.plans:
             if p.flatten:
                 try:
@@ -634,7 +633,7 @@ class QemuCapture(CaptureSteps):
                     log.warning("snapshot %s: compacting drive %s failed, kept as is: %s",
                                 c.directory, p.id, e, extra={"vm_id": self.vm_id})
                     p.flatten = False
-        c.phases["drives"] = time.monotonic() - c.thawed_at
+        c.timer.add({"commit_compact": compacting.elapsed()})
         mem, staging = self.mem, self.staging
         sizes = {
             "device_state": snap.allocated(staging / snap.DEVICE_STATE),

@@ -23,11 +23,13 @@ every driver; each driver supplies the steps (``CaptureSteps``), the recipe runs
 - ``finish``: a pause ends the VMM (``Capture.vmm_stopped``); a VM that runs on records
   the snapshot as what it derives from now.
 
-Timing: ``Capture.frozen_at`` is stamped just before ``freeze`` and ``thawed_at`` just after
-``thaw``; ``SnapshotInfo.freeze_s`` is the span between them, ``total_s`` runs from the start
-to the end of ``finish``. A driver whose VM stays frozen past ``thaw`` moves ``thawed_at``
-itself (Firecracker's pause: frozen until its VMM is gone). ``Capture.phases`` holds where
-the time went, under driver-specific names, recorded by the steps themselves.
+Timing: the recipe times every step with one ``PhaseTimer`` (``Capture.timer``): one phase
+per step, named after it, in ``Capture.phases``; a step may add finer phases of its own
+(``timer.add``, e.g. QEMU's ``memory_copy``). ``frozen_at`` is the end of ``plan`` and
+``thawed_at`` the end of ``thaw``; ``SnapshotInfo.freeze_s`` is the span between them,
+``total_s`` runs from the start to the end of ``finish``. A driver whose VM stays frozen
+through ``finish`` sets ``Capture.frozen_until_finish`` (Firecracker's pause: frozen until
+its VMM is gone), and the freeze then ends with ``finish``.
 
 Cleanup is a stack (``Undo``): a step that takes something pushes how to give it back (the
 staging directory: remove it; frozen vCPUs: run them again). When a step fails, the recipe
@@ -47,11 +49,11 @@ from __future__ import annotations
 import abc
 import inspect
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..phase_timer import PhaseTimer
 from . import workdir as wd
 from .base import NotSupportedError, SnapshotError, SnapshotInfo
 
@@ -113,11 +115,16 @@ class Capture:
     stop: bool
     incremental: bool
     undo: Undo
-    started_at: float = field(default_factory=time.monotonic)
-    phases: dict[str, float] = field(default_factory=dict)
+    timer: PhaseTimer = field(default_factory=PhaseTimer)
     frozen_at: float = 0.0
     thawed_at: float = 0.0
     vmm_stopped: bool = False  # ``finish`` ended the VMM (a pause)
+    frozen_until_finish: bool = False  # the freeze lasts through ``finish`` (see above)
+
+    @property
+    def phases(self) -> dict[str, float]:
+        """Seconds per step (and per finer phase a step added), in the order they ran."""
+        return self.timer.phases
 
 
 @dataclass(frozen=True)
@@ -176,18 +183,27 @@ async def capture(steps: CaptureSteps, directory: Path, *, stop: bool,
     ``NotSupportedError``), after which the VM is as it was unless ``vm_lost``."""
     c = Capture(steps.vm_id, directory, stop=stop, incremental=incremental,
                 undo=Undo(steps.vm_id))
+    t = c.timer
     try:
         await steps.plan(c)
-        c.frozen_at = time.monotonic()
+        c.frozen_at = t.mark("plan")
         await steps.freeze(c)
+        t.mark("freeze")
         await steps.save_state(c)
+        t.mark("save_state")
         await steps.save_memory(c)
+        t.mark("save_memory")
         await steps.drives(c)
+        t.mark("drives")
         await steps.thaw(c)
-        c.thawed_at = time.monotonic()
+        c.thawed_at = t.mark("thaw")
         result = await steps.commit(c)
+        t.mark("commit")
         c.undo.clear()
         await steps.finish(c)
+        finished = t.mark("finish")
+        if c.frozen_until_finish:
+            c.thawed_at = finished
     except BaseException as e:
         await c.undo.unwind()
         if not isinstance(e, Exception):
@@ -198,7 +214,7 @@ async def capture(steps: CaptureSteps, directory: Path, *, stop: bool,
         raise error from e
     info = SnapshotInfo(
         directory=directory, parent=result.parent, freeze_s=c.thawed_at - c.frozen_at,
-        total_s=time.monotonic() - c.started_at, memory_bytes=result.memory_bytes,
+        total_s=finished - t.started, memory_bytes=result.memory_bytes,
         memory_layers=result.memory_layers, disk_bytes=result.disk_bytes,
         compacted=result.compacted, phases=c.phases)
     log.info("snapshot %s -> %s (%s, %d layers, %d KiB memory) frozen %.0f ms of %.0f ms",

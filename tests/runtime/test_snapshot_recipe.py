@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from pathlib import Path
 
 import pytest
@@ -37,7 +36,6 @@ class Steps(CaptureSteps):
 
     async def _step(self, name: str, c: Capture) -> None:
         self.log.append(name)
-        c.phases[name] = 0.001
         if name == self.fail:
             if self.dies:
                 self.alive = False
@@ -79,7 +77,7 @@ class Steps(CaptureSteps):
             c.vmm_stopped = True
             self.alive = False
             await asyncio.sleep(0.01)
-            c.thawed_at = time.monotonic()  # frozen until the VMM is gone
+            c.frozen_until_finish = True  # frozen until the VMM is gone
         await self._step("finish", c)
 
 
@@ -95,13 +93,17 @@ async def test_the_steps_run_in_the_recipes_order_and_report_what_commit_made(wo
     assert steps.log == list(STEPS)
     assert (info.directory, info.memory_bytes, info.memory_layers, info.disk_bytes) == \
         (workdir / "snap", 4096, 1, 8192)
-    assert list(info.phases) == list(STEPS)
+    assert list(info.phases) == list(STEPS)  # the recipe times each step, by its name
+    assert info.phases["freeze"] >= 0.01  # the freeze's sleep is in its own step
+    assert all(v >= 0 for v in info.phases.values())
+    assert info.freeze_s == pytest.approx(sum(info.phases[s] for s in STEPS[1:6]))
     assert 0 < info.freeze_s < info.total_s
 
 
 async def test_a_step_may_keep_the_vm_frozen_past_the_thaw(workdir) -> None:
     info = await recipe.capture(Steps(workdir), workdir / "s", stop=True, incremental=True)
     assert info.freeze_s >= 0.02  # the freeze's sleep and the stop's
+    assert info.phases["finish"] >= 0.01
 
 
 @pytest.mark.parametrize("step", ["plan", "freeze", "save_state", "save_memory", "drives",
