@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
 import signal
 import statistics
 import sys
@@ -41,8 +40,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import emit, free_port, spawn_child, stop, summary
-from benchmarks.gateway_overhead import start_redis
+from benchmarks._common import free_port, spawn_child, summary
+from benchmarks._servers import finish, start_gateway, start_redis, wind_down
 
 SECRET = "bench-cluster-secret-" + "2" * 24
 KEY = "e2b_" + "5" * 40
@@ -135,8 +134,6 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="aenv-bench-cluster-rate-"))
     ports = {"b1": free_port(), "b2": free_port()}
-    gw_port = free_port()
-    gw_url = f"http://127.0.0.1:{gw_port}"
     limit = args.slots / (args.start_ms / 1000)
     result: dict[str, Any] = {
         "benchmark": "cluster_create_rate", "creates": args.creates,
@@ -155,12 +152,8 @@ def main() -> None:
                 [sys.executable, __file__, "--serve", str(work / node_id), str(port), redis_url,
                  node_id, str(args.slots), str(args.start_ms)],
                 f"http://127.0.0.1:{port}/health", log_path=work / f"{node_id}.log"))
-        env = {**os.environ, "AENV_HOME": str(work / "gateway"), "AENV_API_KEY": KEY,
-               "AENV_CLUSTER_SECRET": SECRET}
-        procs.append(spawn_child(
-            [sys.executable, "-m", "aenv.cli.main", "gateway", "--port", str(gw_port),
-             "--cluster", redis_url, "--log-level", "warning"], gw_url + "/health",
-            log_path=work / "gateway.log", env=env))
+        gw_proc, gw_url = start_gateway(work / "gateway", redis_url, KEY, SECRET)
+        procs.append(gw_proc)
         node1 = f"http://127.0.0.1:{ports['b1']}"
         key1 = (work / "b1/secrets/api-key").read_text().strip()
         nodes_ready = httpx.get(gw_url + "/nodes", headers={"X-API-KEY": KEY}).json()
@@ -181,17 +174,14 @@ def main() -> None:
         rates["gateway_one_node"], lat["gateway_one_node"] = [], []
         phase("gateway_one_node", gw_url, KEY)
     finally:
-        for proc in reversed(procs):
-            stop(proc, grace=10)
-        shutil.rmtree(work, ignore_errors=True)
+        wind_down(result, procs, work, grace=10)
     for name, values in rates.items():
         result[name] = {"creates_per_s": values, "median_per_s": statistics.median(values),
                         "create_ms": summary(lat[name])}
     result["two_nodes_over_one_direct"] = round(
         result["gateway_two_nodes"]["median_per_s"]
         / result["direct_one_node"]["median_per_s"], 2)
-    result["load_after"] = os.getloadavg()
-    emit(result)
+    finish(result)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -38,8 +37,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import emit, free_port, spawn_child, stop, summary
-from benchmarks.gateway_overhead import start_redis
+from benchmarks._common import free_port, spawn_child, summary
+from benchmarks._servers import finish, start_gateway, start_redis, wind_down
 
 SECRET = "bench-cluster-secret-" + "1" * 24
 KEY = "e2b_" + "6" * 40
@@ -124,8 +123,6 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="aenv-bench-cluster-list-"))
     ports = [free_port() for _ in range(args.nodes)]
-    gw_port = free_port()
-    gw_url = f"http://127.0.0.1:{gw_port}"
     result: dict[str, Any] = {
         "benchmark": "cluster_list", "sandboxes": args.sandboxes, "nodes": args.nodes,
         "method": "fake nodes (no VMs): real NodeAgents publish the index into a real Redis, "
@@ -139,12 +136,8 @@ def main() -> None:
             [sys.executable, __file__, "--serve", redis_url, ",".join(map(str, ports)),
              str(args.sandboxes)], f"http://127.0.0.1:{ports[-1]}/v2/sandboxes",
             log_path=work / "nodes.log"))
-        env = {**os.environ, "AENV_HOME": str(work / "gateway"), "AENV_API_KEY": KEY,
-               "AENV_CLUSTER_SECRET": SECRET}
-        procs.append(spawn_child(
-            [sys.executable, "-m", "aenv.cli.main", "gateway", "--port", str(gw_port),
-             "--cluster", redis_url, "--log-level", "warning"], gw_url + "/health",
-            log_path=work / "gateway.log", env=env))
+        gw_proc, gw_url = start_gateway(work / "gateway", redis_url, KEY, SECRET)
+        procs.append(gw_proc)
         import redis as redis_lib
 
         with redis_lib.Redis.from_url(redis_url) as r:
@@ -174,11 +167,8 @@ def main() -> None:
             result[k] = summary(v)
         result["all_pages_ms"] = {**summary(walks), "pages": -(-args.sandboxes // 100)}
     finally:
-        for proc in reversed(procs):
-            stop(proc, grace=10)
-        shutil.rmtree(work, ignore_errors=True)
-    result["load_after"] = os.getloadavg()
-    emit(result)
+        wind_down(result, procs, work, grace=10)
+    finish(result)
 
 
 if __name__ == "__main__":

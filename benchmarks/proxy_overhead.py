@@ -32,13 +32,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import signal
-import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,93 +43,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from aenv.envd import ENVD_PORT
-from benchmarks._common import emit, expect_status, free_port, spawn_child, stop, summary, tail
-
-FIRST_HOST = 200  # 127.0.0.200 and up: the test suite's process sandboxes start at .2
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-# -- the server side (child process) ------------------------------------------------------
-
-def serve(home: Path, port: int, first_host: int) -> None:
-    import uvicorn
-
-    from aenv.config import Settings
-    from aenv.server import Server
-    from tests.control.process_machines import ProcessMachines
-
-    machines = ProcessMachines()
-    machines._next = first_host  # its next sandbox's address: 127.0.0.<first_host>
-    srv = Server(Settings(home=home), machines)
-    # uvicorn re-raises SIGTERM after its graceful shutdown; turn it into an exit so the
-    # envd processes are stopped below.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    try:
-        uvicorn.run(srv.app, host="127.0.0.1", port=port, log_level="warning",
-                    access_log=False, timeout_keep_alive=300, lifespan="on")
-    finally:
-        machines.stop_all()
-
-
-# -- the client side (parent) -------------------------------------------------------------
-
-def free_hosts(count: int) -> int:
-    """The first N >= FIRST_HOST such that 127.0.0.N .. N+count-1 have port 49983 free."""
-    for start in range(FIRST_HOST, 255 - count):
-        ok = True
-        for n in range(start, start + count):
-            with socket.socket() as s:
-                try:
-                    s.bind((f"127.0.0.{n}", ENVD_PORT))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return start
-    raise RuntimeError("no free run of loopback addresses for the envd processes")
-
-
-def envd_pids(hosts: range) -> list[int]:
-    """Processes of ``python -m aenv.envd`` serving one of ``hosts`` (127.0.0.N)."""
-    wanted = {f"127.0.0.{n}".encode() for n in hosts}
-    pids = []
-    for e in os.scandir("/proc"):
-        if not e.name.isdigit():
-            continue
-        try:
-            argv = Path(f"/proc/{e.name}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"aenv.envd" in argv and any(a in wanted for a in argv):
-            pids.append(int(e.name))
-    return pids
-
-
-def interleaved(a: Callable[[], object], b: Callable[[], object], n: int,
-                warmup: int) -> tuple[list[float], list[float]]:
-    """Run ``a`` and ``b`` alternately; milliseconds of each after ``warmup`` rounds."""
-    out_a: list[float] = []
-    out_b: list[float] = []
-    for i in range(warmup + n):
-        for fn, out in ((a, out_a), (b, out_b)):
-            t0 = time.perf_counter()
-            fn()
-            ms = (time.perf_counter() - t0) * 1000
-            if i >= warmup:
-                out.append(ms)
-    return out_a, out_b
-
-
-def compare(proxied: list[float], direct: list[float]) -> dict[str, Any]:
-    """Both summaries and what the proxy adds at p50 and, with enough samples, p99."""
-    p, d = summary(proxied), summary(direct)
-    tp, td = tail(p), tail(d)
-    return {"proxied": p, "direct": d,
-            "added_ms": {"p50": round(p["p50"] - d["p50"], 2),
-                         "p99": None if tp is None or td is None else round(tp - td, 2)}}
+from benchmarks._common import expect_status, free_port, spawn_child, summary
+from benchmarks._servers import compare, finish, free_hosts, interleaved, log, serve_node, wind_down
 
 
 def first_requests(api: httpx.Client, url: str, count: int) -> dict[str, Any]:
@@ -166,8 +77,10 @@ def main() -> None:
     ap.add_argument("--serve", nargs=3, metavar=("HOME", "PORT", "HOST"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
+        from aenv.config import Settings
+
         home, port, host = args.serve
-        serve(Path(home), int(port), int(host))
+        serve_node(Settings(home=Path(home), listen_port=int(port)), int(host))
         return
     if os.geteuid() != 0:
         sys.exit("proxy_overhead.py needs root (commands run as the `user` account)")
@@ -208,7 +121,7 @@ def main() -> None:
                 log(f"commands.run('true') x{args.n}, proxied and direct")
                 result["sdk_run_true_ms"] = compare(*interleaved(
                     lambda: via_proxy.commands.run("true"),
-                    lambda: direct.commands.run("true"), args.n, args.warmup))
+                    lambda: direct.commands.run("true"), n=args.n, warmup=args.warmup))
                 log(f"GET /health x{args.n}, proxied and direct")
                 with httpx.Client(base_url=url, timeout=30, headers={
                         "E2b-Sandbox-Id": via_proxy.sandbox_id,
@@ -218,19 +131,13 @@ def main() -> None:
                     # the proxy, a 401) is fast and would flatter the figures.
                     result["health_ms"] = compare(*interleaved(
                         lambda: expect_status(pc.get("/health"), 204),
-                        lambda: expect_status(dc.get("/health"), 204), args.n, args.warmup))
+                        lambda: expect_status(dc.get("/health"), 204), n=args.n,
+                        warmup=args.warmup))
             finally:
                 via_proxy.kill()
     finally:
-        if proc is not None:
-            stop(proc, grace=15)
-        left = envd_pids(hosts)
-        result["leftover_envd"] = left
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(home, ignore_errors=True)
-    result["load_after"] = os.getloadavg()
-    emit(result)
+        wind_down(result, [proc] if proc is not None else [], home, hosts)
+    finish(result)
 
 
 if __name__ == "__main__":
