@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .api.app import create_api
@@ -143,7 +144,7 @@ class Server:
             ThreadPoolExecutor(BLOCKING_THREADS, thread_name_prefix="aenv-host"))
         live = self.sandboxes.live()
         await self.machines.prepare({r.slot for r in live if r.slot is not None},
-                                    {r.id for r in live if r.vm_dir})
+                                    {Path(r.vm_dir).name for r in live if r.vm_dir})
         self._builtin_templates()
         self.builder.recover()
         await self.orchestrator.start()

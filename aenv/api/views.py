@@ -8,7 +8,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from ..envd.state import ENVD_VERSION
-from ..orchestrator.timing import server_timing
+from ..orchestrator.timing import host_side, server_timing
 from ..store import SandboxRecord, SandboxState
 
 # The API folds aenv's lifecycle states (the live ones) into the two E2B knows, by name.
@@ -34,7 +34,10 @@ def internal_states(api_states: set[str]) -> tuple[SandboxState, ...]:
 def timed_json(body: Any, status: int, timings: dict[str, float]) -> JSONResponse:
     """A JSON answer carrying ``timings`` (seconds per phase) as a ``Server-Timing`` header,
     so clients and benchmarks see where the time of the operation went."""
-    headers = {"Server-Timing": server_timing(timings)} if timings else None
+    # A start (create, resume, connect) also reports its host-side share: what a KVM host
+    # pays in full, apart from the guest's own execution.
+    totals = {"host": host_side(timings)} if "envd_init" in timings else None
+    headers = {"Server-Timing": server_timing(timings, totals)} if timings else None
     return JSONResponse(body, status_code=status, headers=headers)
 
 

@@ -12,6 +12,7 @@ released again on failure, on kill, and for VMs found dead after a restart.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -33,6 +34,7 @@ from ..runtime import (
     Confinement,
     Drive,
     RestoreOverrides,
+    VMError,
     VMSpec,
     confine,
     console,
@@ -40,6 +42,7 @@ from ..runtime import (
 )
 from ..runtime import workdir as wd
 from ..runtime.ready import boot_until_ready
+from ..runtime.vmm_pool import Pooled, VMMPool
 from ..storage import disk_layers, disks, shared_store, snapshot_store
 from ..storage.disks import Disk, create_disk
 from ..storage.errors import ImageError, StorageError
@@ -84,6 +87,17 @@ def _bound_all(logs: list[Path]) -> int:
     return sum(console.bound(path) for path in logs)
 
 
+def _restore_phases(t: dict[str, float], total: float) -> dict[str, float]:
+    """A restore of ``total`` seconds as consecutive phases, from its ``boot_timings``
+    (seconds after spawn, and ``prepare`` before it) when the driver reports them, else
+    as one ``restore``."""
+    if not {"prepare", "qmp_ready", "memory_applied", "running"} <= t.keys():
+        return {"restore": total}
+    return {"prepare": t["prepare"], "vmm": t["qmp_ready"],
+            "memory": t["memory_applied"] - t["qmp_ready"],
+            "state_load": total - t["prepare"] - t["memory_applied"]}
+
+
 def egress_policy(rec: SandboxRecord) -> EgressPolicy:
     net = rec.network or {}
     try:
@@ -111,6 +125,17 @@ class NodeMachines:
         self.base: Image | None = None
         self._tools: ToolsDrive | None = None  # built on the first boot that needs it
         self._running: dict[str, _Running] = {}
+        self._starts = 0  # VM starts under way: the VMM pool refills between them
+        # VMMs started ahead of demand in warm slots, waiting for a create to load a
+        # template's state (``aenv.runtime.vmm_pool``), when the driver can.
+        self.vmm_pool: VMMPool[NetworkSlot] | None = None
+        if hasattr(self.runtime, "prestart") and settings.vmm_pool_size > 0:
+            self.vmm_pool = VMMPool(
+                self.runtime, settings.vms_dir,  # type: ignore[arg-type]
+                size=settings.vmm_pool_size, memory_mb=settings.vmm_pool_memory_mb,
+                acquire=lambda: asyncio.to_thread(self.pool.acquire),
+                release=lambda slot: asyncio.to_thread(self._release, slot),
+                busy=lambda: self._starts > 0)
         # Snapshot writes and garbage collection never overlap (a half-written snapshot
         # is not yet anyone's root).
         self._snapshot_lock = asyncio.Lock()
@@ -134,6 +159,10 @@ class NodeMachines:
         self.kernel = await asyncio.to_thread(ensure_kernel, self.settings, self.kernel_flavor)
         self.base = await asyncio.to_thread(ensure_base_image, self.settings, None,
                                             kernel_flavor=self.kernel_flavor)
+        # A crashed server's pooled VMMs still wait in their slots: end them first.
+        killed = await asyncio.to_thread(VMMPool.sweep, self.settings.vms_dir, keep_vms)
+        if killed:
+            log.info("ended %d pre-started VMMs of a previous run", len(killed))
         report = await asyncio.to_thread(cleanup_leftovers, self.settings, keep_slots)
         if report:
             log.info("removed leftovers of a previous run: %s", report.summary())
@@ -145,6 +174,8 @@ class NodeMachines:
         if any(swept.values()):
             log.info("removed VMM leftovers of a previous run: %s", swept)
         await asyncio.to_thread(self.pool.start, keep_slots)
+        if self.vmm_pool is not None:
+            self.vmm_pool.start()
         self._console_task = asyncio.create_task(self._bound_consoles(), name="aenv-consoles")
 
     def resources(self) -> NodeResources:
@@ -165,6 +196,8 @@ class NodeMachines:
             self._console_task.cancel()
         for r in self._running.values():
             await r.vm.detach()
+        if self.vmm_pool is not None:  # pooled VMMs are no sandbox's: they end here
+            await self.vmm_pool.close()
         await asyncio.to_thread(self.pool.close, True)
 
     async def _bound_consoles(self) -> None:
@@ -234,22 +267,38 @@ class NodeMachines:
 
     async def start(self, rec: SandboxRecord, template: TemplateRecord) -> Placement:
         image = ImageRef.parse(template.image)
-        # The pool's filler keeps its CPU off the host while guests come up.
-        with self.pool.starting():
-            if image.is_snapshot:
-                directory = self._snapshot_dir(image)
-                if not snapshot_store.is_complete(directory):
-                    await self.fetch(image.id)
-                if not snapshot_store.is_complete(directory):
-                    raise InvalidRequest(f"snapshot {image} does not exist on this node")
-                if snapshot_store.disk_snapshot(directory) is None:
-                    return await self._restore(rec, template, directory)
-            return await self._boot(rec, template, image)
+        # The pools' fillers keep their CPU off the host while guests come up.
+        self._starts += 1
+        try:
+            with self.pool.starting():
+                if image.is_snapshot:
+                    directory = self._snapshot_dir(image)
+                    if not snapshot_store.is_complete(directory):
+                        await self.fetch(image.id)
+                    if not snapshot_store.is_complete(directory):
+                        raise InvalidRequest(f"snapshot {image} does not exist on this node")
+                    if snapshot_store.disk_snapshot(directory) is None:
+                        return await self._restore(rec, template, directory)
+                return await self._boot(rec, template, image)
+        finally:
+            self._starts -= 1
 
     async def _restore(self, rec: SandboxRecord, template: TemplateRecord,
-                       directory: Path) -> Placement:
-        """Restore a VM snapshot into a free slot; processes and memory carry on."""
+                       directory: Path, *, pooled: bool = True) -> Placement:
+        """Restore a VM snapshot into a free slot; processes and memory carry on. A VMM
+        pre-started for ``directory`` (``vmm_pool``) only gets its state loaded.
+        Phases: ``slot``, then ``prepare`` (working directory, disks, confinement), ``vmm``
+        (spawn to QMP), ``memory`` (diff layers) and ``state_load`` (device state, vCPUs
+        on) — or ``pool`` (taking a pre-started VMM, its slot's egress policy) and
+        ``state_load`` — then ``envd_init`` (the guest runs until envd answered)."""
         timer = PhaseTimer()
+        # A fork's capture and a paused sandbox are restored once: no pool for them (it
+        # would pre-start VMMs for a snapshot nobody restores again).
+        once = template.build_id in ("fork", "resume")  # template_records' sources
+        taken = await self._take_pooled(rec, directory) if pooled and not once else None
+        if taken is not None:
+            timer.mark("pool")
+            return await self._activate(rec, template, directory, taken, timer)
         slot = await asyncio.to_thread(self.pool.acquire, egress_policy(rec))
         timer.mark("slot")
         workdir = self.settings.vms_dir / rec.id
@@ -257,7 +306,9 @@ class NodeMachines:
         try:
             vm = await self.runtime.restore(directory, RestoreOverrides(
                 vm_id=rec.id, workdir=workdir, netns=slot.netns))
-            timer.mark("restore")
+            restored_at = timer.elapsed()
+            timer.skip()
+            timer.add(_restore_phases(vm.boot_timings, restored_at - timer.phases["slot"]))
             # No /health first: the guest's envd was running when it was captured, and the
             # first /init that connects is the readiness check (one round trip fewer per
             # child of a fork, where every guest competes for the host's cores).
@@ -274,6 +325,61 @@ class NodeMachines:
         return Placement(vm_dir=str(workdir), vm_pid=vm.pid, slot=slot.index,
                          host_ip=slot.host_ip, runtime=self.runtime.name, phases=timer.phases,
                          restored_from=template.image)
+
+    async def _take_pooled(self, rec: SandboxRecord,
+                           directory: Path) -> Pooled[NetworkSlot] | None:
+        """A pre-started VMM of ``directory`` with ``rec``'s egress policy on its slot, or
+        None (no pool, none waiting, or the policy could not be set)."""
+        if self.vmm_pool is None:
+            return None
+        pooled = await self.vmm_pool.take(directory)
+        if pooled is None:
+            return None
+        try:
+            await asyncio.to_thread(pooled.slot.set_policy, egress_policy(rec))
+        except BaseException:
+            await self.vmm_pool.discard(pooled)
+            raise
+        return pooled
+
+    async def _activate(self, rec: SandboxRecord, template: TemplateRecord, directory: Path,
+                        pooled: Pooled[NetworkSlot], timer: PhaseTimer) -> Placement:
+        """The rest of ``_restore`` for a pre-started VMM: load its state, start it, /init.
+        A VMM that fails to load is discarded and the sandbox restored as usual."""
+        slot, workdir = pooled.slot, pooled.workdir
+        vm: VM | None = None
+        try:
+            vm = await self.runtime.activate(pooled.pre)  # type: ignore[attr-defined]
+        except VMError as e:
+            log.warning("sandbox %s: pre-started VMM %s failed (%s); restoring anew", rec.id,
+                        pooled.pre.vm_id, e)
+            await self.vmm_pool.discard(pooled)  # type: ignore[union-attr]
+            return await self._restore_anew(rec, template, directory, timer)
+        assert vm is not None
+        timer.mark("state_load")
+        try:
+            await self._init_envd(f"http://{slot.host_ip}:{ENVD_PORT}", rec, template,
+                                  restored=True, vm=vm)
+        except BaseException:
+            await self._abandon(vm, workdir, slot)
+            raise
+        self._running[rec.id] = _Running(vm, slot, None)
+        timer.mark("envd_init")
+        log.info("sandbox %s: pre-started VMM %s of %s in slot %d, %s", rec.id, vm.vm_id,
+                 directory.name, slot.index, timer.summary(),
+                 extra={"sandbox_id": rec.id, "op": "restore", "duration": timer.elapsed()})
+        return Placement(vm_dir=str(workdir), vm_pid=vm.pid, slot=slot.index,
+                         host_ip=slot.host_ip, runtime=self.runtime.name, phases=timer.phases,
+                         restored_from=template.image)
+
+    async def _restore_anew(self, rec: SandboxRecord, template: TemplateRecord,
+                            directory: Path, timer: PhaseTimer) -> Placement:
+        """An ordinary restore after a pooled VMM failed; its phases join ``timer``'s."""
+        placement = await self._restore(rec, template, directory, pooled=False)
+        timer.mark("pool_failed")
+        phases = {**timer.phases, **placement.phases}
+        phases["pool_failed"] -= sum(placement.phases.values())
+        return dataclasses.replace(placement, phases=phases)
 
     async def _boot(self, rec: SandboxRecord, template: TemplateRecord,
                     image: ImageRef) -> Placement:
@@ -554,6 +660,8 @@ class NodeMachines:
             except snapshot_store.DependenciesUnknown as e:
                 log.error("garbage collection deleted nothing: %s", e)
                 return 0
+        if removed and self.vmm_pool is not None:  # a deleted template's VMMs go too
+            await self.vmm_pool.prune()
         return len(removed)
 
     def _disk_of(self, rec: SandboxRecord, running: _Running) -> Disk:

@@ -156,12 +156,15 @@ class VMMPool(Generic[S]):
             await self.discard(entry)
 
     @staticmethod
-    def sweep(vms_dir: Path) -> list[str]:
+    def sweep(vms_dir: Path, keep: set[str] | frozenset[str] = frozenset()) -> list[str]:
         """Kill the VMMs that a crashed server left waiting in pool working directories
-        (blocking). Their directories, cgroups and slots are then leftovers like any other.
-        Returns the directories whose VMM was killed."""
+        (blocking), except those named in ``keep`` (taken by a sandbox before the crash:
+        to be re-attached). Their directories, cgroups and slots are then leftovers like
+        any other. Returns the directories whose VMM was killed."""
         killed = []
         for d in vms_dir.glob(f"{PREFIX}*") if vms_dir.is_dir() else ():
+            if d.name in keep:
+                continue
             try:
                 pid = int((d / wd.PIDFILE).read_text().strip())
                 process = VMMProcess.adopt(pid, d)
