@@ -4,17 +4,21 @@ may carry, and which of E2B's options this server refuses (spec part 2, section 
 Every option is either honoured or refused with a 400 that names it — never accepted and
 ignored:
 
-- ``allowOut``/``denyOut`` (IPv4 addresses and CIDRs) and ``allow_internet_access`` are the
-  egress policy (``aenv.network.policy``); an update replaces them atomically on the running
-  sandbox, and they stay with it across pause/resume and fork.
+- ``allowOut``/``denyOut`` (IPv4 addresses, CIDRs, domain names and ``*.`` wildcards) and
+  ``allow_internet_access`` are the egress policy (``aenv.network.policy``); an update
+  replaces them atomically on the running sandbox, and they stay with it across
+  pause/resume and fork. Names are enforced for HTTP and TLS by the node's egress proxy
+  (``aenv.egress``); unlike E2B, ``denyOut`` takes names too.
+- ``rules`` (header transforms, ``${e2b.secrets.<name>}`` placeholders) go to the same
+  proxy; ``${e2b.identity.tokens.*}`` placeholders are refused (no workload identity).
 - ``allowPublicTraffic`` (create only) makes user ports ask for the traffic token.
 - ``dnsServers`` is validated (IPv4, at most 10). In E2B it only opens the firewall to those
-  servers when ``allowOut`` names a domain; domain entries are refused here, so it has
-  nothing to open.
+  servers when ``allowOut`` names a domain; here the proxy resolves names itself, so it
+  opens nothing.
 - ``maskRequestHost`` (create only) is the Host header the proxy sends to user ports,
   ``${PORT}`` replaced by the port (envd's port is never masked).
-- ``rules`` (header transforms), ``egressProxy`` (SOCKS5 upstream) and ``httpsPorts`` are
-  refused: they need an egress proxy, or TLS to guest ports, this server does not have yet.
+- ``egressProxy`` (SOCKS5 upstream) and ``httpsPorts`` are refused: tunnelling through a
+  user's proxy, and TLS to guest ports, this server does not do yet.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 
 from ..network.errors import PolicyError
-from ..network.policy import EgressPolicy
+from ..network.policy import EgressPolicy, header_rules
 from .errors import ApiError
 from .models import NetworkConfig, NetworkUpdate
 
@@ -34,7 +38,6 @@ router = APIRouter()
 
 MAX_DNS_SERVERS = 10
 _UNSUPPORTED = {
-    "rules": "per-domain egress transforms",
     "egressProxy": "tunnelling egress through a SOCKS5 proxy",
     "httpsPorts": "TLS to sandbox ports",
 }
@@ -76,8 +79,12 @@ def _check_policy(options: dict[str, Any]) -> None:
             try:
                 EgressPolicy.build(allow_out=[entry])
             except PolicyError:
-                raise ApiError(400, f"network.{key}: '{entry}' is not an IPv4 address or "
-                               "CIDR (domain names are not supported by this server)") from None
+                raise ApiError(400, f"network.{key}: '{entry}' is not an IPv4 address, "
+                               "CIDR, domain name or *.wildcard") from None
+    try:
+        header_rules(options.get("rules"))
+    except PolicyError as e:
+        raise ApiError(400, f"network.rules: {e}") from None
 
 
 def _checked(options: dict[str, Any], dns: list[str] | None) -> dict[str, Any]:

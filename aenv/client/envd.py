@@ -354,6 +354,7 @@ class EnvdClient:
     async def init(self, *, access_token: str | None, env_vars: dict[str, str],
                    default_user: str | None = "user", default_workdir: str | None = None,
                    current_token: str | None = None, entropy: bytes | None = None,
+                   ca_bundle: str | None = None,
                    wait: float = 0.0, alive: Callable[[], bool] | None = None,
                    timeout: float | None = None) -> None:
         """``POST /init``. With ``wait`` > 0 it also waits for envd to accept: a failed
@@ -373,6 +374,8 @@ class EnvdClient:
             body["defaultWorkdir"] = default_workdir
         if entropy:
             body["entropy"] = base64.b64encode(entropy).decode()
+        if ca_bundle:
+            body["caBundle"] = ca_bundle
         headers = {**self.extra_headers, **_IDENTITY}
         if current_token:
             headers["X-Access-Token"] = current_token

@@ -56,6 +56,8 @@ def routes(state: EnvdState, hooks: GuestHooks) -> list[Route]:
             hooks.sync_clock(body["timestamp"])
         if body.get("entropy"):
             hooks.reseed(body["entropy"])
+        if isinstance(body.get("caBundle"), str) and body["caBundle"]:
+            hooks.trust_ca(body["caBundle"])  # the node's egress CA (aenv.egress.ca)
         return Response(status_code=204, headers={"X-Envd-Version": ENVD_VERSION})
 
     async def envs(_: Request) -> Response:

@@ -1,17 +1,22 @@
 """Things envd does only when it owns the machine (inside a guest, ``--guest``).
 
-On a host, envd must never set the clock or feed the kernel's entropy pool, so the default
-hooks do nothing; ``GuestHooks(enabled=True)`` does both.
+On a host, envd must never set the clock, feed the kernel's entropy pool or change the
+trusted CAs, so the default hooks do nothing; ``GuestHooks(enabled=True)`` does all three.
 """
 
 from __future__ import annotations
 
 import base64
 import fcntl
+import os
 import struct
 import time
 from datetime import datetime
 
+# Debian's bundle, which OpenSSL, curl and Python read, and the file that makes
+# update-ca-certificates keep the CA when it rebuilds the bundle.
+CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
+CA_SOURCE = "/usr/local/share/ca-certificates/aenv-egress.crt"
 # <linux/random.h>: _IOW('R', 0x03, int[2])
 _RNDADDENTROPY = 0x40085203
 # Upstream envd leaves small drifts alone: behind by more than 50 ms or ahead by 5 s.
@@ -50,3 +55,22 @@ class GuestHooks:
         req = struct.pack("ii", len(data) * 8, len(data)) + data
         with open("/dev/random", "wb") as f:
             fcntl.ioctl(f, _RNDADDENTROPY, req)
+
+    def trust_ca(self, pem: str, bundle: str = CA_BUNDLE, source: str = CA_SOURCE) -> None:
+        """Add ``pem`` (the node's egress CA) to the system's trusted CAs, once: requests
+        whose headers the egress proxy sets are served with its certificates."""
+        if not self.enabled or "-----BEGIN CERTIFICATE-----" not in pem:
+            return
+        pem = pem.strip() + "\n"
+        try:
+            with open(bundle) as f:
+                if pem in f.read():
+                    return
+        except FileNotFoundError:
+            pass
+        for path in (source, bundle):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(source, "w") as f:
+            f.write(pem)
+        with open(bundle, "a") as f:
+            f.write(pem)

@@ -6,7 +6,13 @@ refuses; then, when ``allow_internet`` is false, everything else is refused; the
 loopback, link-local and CGNAT ranges are refused; the rest is allowed. So a private range
 is reachable only when listed in ``allow_out``, and ``allow_out`` is an allowlist only
 together with ``allow_internet=False`` (or a ``deny_out`` of ``0.0.0.0/0``), as in E2B.
-Entries are IPv4 addresses or CIDRs: the guest link is IPv4.
+Entries are IPv4 addresses or CIDRs (the guest link is IPv4) or domain names.
+
+Domain entries (``example.com``, ``*.example.com``) and header transforms (``rules``) are
+enforced by the node's egress proxy (``aenv.egress``): a policy with any of them
+(``needs_proxy``) has the guest's TCP 80 and 443 redirected to it inside the slot, and the
+proxy decides by the HTTP Host or TLS SNI name with ``decide_name``. Everything else the
+guest sends stays under the CIDR rules above.
 
 That is the slot's part. Whatever the policy allows, the host table (``rulesets``) then
 refuses every address of the host itself, the gateways of the namespace aenv runs in (the
@@ -17,8 +23,10 @@ outer host when aenv runs in a container) and the metadata addresses once more, 
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from .errors import PolicyError
 
@@ -47,6 +55,50 @@ METADATA_ADDRESSES: tuple[str, ...] = (
 )
 
 
+_LABEL = re.compile(r"^[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?$")
+
+
+def domain_pattern(raw: str) -> str | None:
+    """``raw`` lower-cased if it is a domain name or ``*.``-wildcard, else None (an IP or
+    CIDR, or garbage for ``_normalise`` to refuse). A bare ``*`` is not a pattern."""
+    entry = raw.strip().lower().rstrip(".")
+    name = entry[2:] if entry.startswith("*.") else entry
+    labels = name.split(".")
+    if len(name) > 253 or len(labels) < 1 or not all(_LABEL.match(label) for label in labels):
+        return None
+    if all(label.isdigit() for label in labels):  # an IP address written short
+        return None
+    if "/" in entry or not any(c.isalpha() for c in name):
+        return None
+    return entry
+
+
+def match_pattern(patterns: Iterable[str], name: str) -> str | None:
+    """The pattern that matches ``name`` best: an exact name beats any wildcard, then the
+    longest wildcard suffix wins; ``*.a.b`` matches ``x.a.b`` and ``x.y.a.b``, not ``a.b``."""
+    name = name.lower().rstrip(".")
+    best: str | None = None
+    for p in patterns:
+        if p == name:
+            return p
+        if p.startswith("*.") and name.endswith(p[1:]) and (best is None or len(p) > len(best)):
+            best = p
+    return best
+
+
+def _split(entries: Iterable[str]) -> tuple[list[str], tuple[str, ...]]:
+    """(IP/CIDR entries, domain patterns)."""
+    cidrs: list[str] = []
+    domains: list[str] = []
+    for raw in entries:
+        pattern = domain_pattern(str(raw))
+        if pattern is None:
+            cidrs.append(str(raw))
+        elif pattern not in domains:
+            domains.append(pattern)
+    return cidrs, tuple(domains)
+
+
 def _normalise(entries: Iterable[str]) -> tuple[str, ...]:
     out: list[str] = []
     for raw in entries:
@@ -64,20 +116,129 @@ def _normalise(entries: Iterable[str]) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
+class HeaderRule:
+    """``rules[pattern]`` of a create: the headers its transforms set, in order (a later
+    rule's header of the same name wins). Values may hold ``${e2b.secrets.<name>}``."""
+
+    pattern: str
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
 class EgressPolicy:
     allow_out: tuple[str, ...] = ()
     deny_out: tuple[str, ...] = ()
     allow_internet: bool = True
+    allow_domains: tuple[str, ...] = ()
+    deny_domains: tuple[str, ...] = ()
+    rules: tuple[HeaderRule, ...] = ()
 
     @classmethod
     def build(cls, allow_out: Iterable[str] = (), deny_out: Iterable[str] = (),
-              allow_internet: bool = True) -> EgressPolicy:
-        """Validated and normalised (``1.2.3.4`` becomes ``1.2.3.4/32``); raises PolicyError."""
-        return cls(_normalise(allow_out), _normalise(deny_out), bool(allow_internet))
+              allow_internet: bool = True,
+              rules: Iterable[HeaderRule] = ()) -> EgressPolicy:
+        """Validated and normalised (``1.2.3.4`` becomes ``1.2.3.4/32``, names lower
+        case); raises PolicyError."""
+        allow_cidrs, allow_domains = _split(allow_out)
+        deny_cidrs, deny_domains = _split(deny_out)
+        return cls(_normalise(allow_cidrs), _normalise(deny_cidrs), bool(allow_internet),
+                   allow_domains, deny_domains, tuple(rules))
 
     @property
     def is_default(self) -> bool:
         return self == DEFAULT_POLICY
 
+    @property
+    def needs_proxy(self) -> bool:
+        """Names or transforms: the guest's HTTP(S) must go through the egress proxy."""
+        return bool(self.allow_domains or self.deny_domains or self.rules)
+
+    @property
+    def deny_by_default(self) -> bool:
+        """Nothing but what ``allow_out`` lists is reachable."""
+        return not self.allow_internet or "0.0.0.0/0" in self.deny_out
+
+    def ip_allowed(self, address: str) -> bool:
+        """The slot table's verdict on a new connection to ``address``, in its order."""
+        ip = ipaddress.IPv4Address(address)
+        if any(ip in ipaddress.IPv4Network(n) for n in METADATA_ADDRESSES):
+            return False
+        if any(ip in ipaddress.IPv4Network(n) for n in self.allow_out):
+            return True
+        if any(ip in ipaddress.IPv4Network(n) for n in self.deny_out):
+            return False
+        if not self.allow_internet:
+            return False
+        return not any(ip in ipaddress.IPv4Network(n) for n in PRIVATE_RANGES)
+
+    def decide_name(self, name: str) -> NameVerdict:
+        """What the proxy does with a connection to ``name`` (Host or SNI): an allowed
+        entry wins over a denied one, as in E2B; a name no entry names follows the CIDR
+        rules (refused when they deny by default; else allowed, each address it resolves
+        to still judged by ``ip_allowed``)."""
+        try:
+            ipaddress.IPv4Address(name)
+        except ValueError:
+            pass
+        else:
+            return NameVerdict(self.ip_allowed(name), explicit=False)
+        if match_pattern(self.allow_domains, name):
+            return NameVerdict(True, explicit=True)
+        if match_pattern(self.deny_domains, name) or self.deny_by_default:
+            return NameVerdict(False, explicit=False)
+        return NameVerdict(True, explicit=False)
+
+    def headers_for(self, name: str) -> tuple[tuple[str, str], ...]:
+        """The headers of the one rule set whose pattern matches ``name`` best (rule sets
+        are not merged)."""
+        best = match_pattern((r.pattern for r in self.rules), name)
+        for r in self.rules:
+            if r.pattern == best:
+                return r.headers
+        return ()
+
+
+@dataclass(frozen=True)
+class NameVerdict:
+    allowed: bool
+    # An allowOut name: its addresses are reached even in private ranges (the caller
+    # named it); others must pass ``ip_allowed`` like a direct connection.
+    explicit: bool
+
 
 DEFAULT_POLICY = EgressPolicy()
+
+
+_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,256}$")
+PLACEHOLDER_PREFIX = "${e2b."
+SECRET_PLACEHOLDER = re.compile(r"\$\{e2b\.secrets\.([^{}\s]+)\}")
+
+
+def header_rules(rules: Mapping[str, Any] | None) -> tuple[HeaderRule, ...]:
+    """``network.rules`` of a create or update (``{pattern: [{"transform": {"headers":
+    {name: value}}}, ...]}``) as ``HeaderRule``s; raises PolicyError. Only
+    ``${e2b.secrets.<name>}`` placeholders are known (workload identity tokens are not)."""
+    out: list[HeaderRule] = []
+    for raw, items in (rules or {}).items():
+        pattern = domain_pattern(str(raw))
+        if pattern is None:
+            raise PolicyError(str(raw), "rule keys are domain names or *.wildcards")
+        if not isinstance(items, list):
+            raise PolicyError(str(raw), "a rule set is a list of rules")
+        headers: dict[str, tuple[str, str]] = {}
+        for item in items:
+            transform = item.get("transform") if isinstance(item, dict) else None
+            if not isinstance(item, dict) or (transform is not None
+                                              and not isinstance(transform, dict)):
+                raise PolicyError(str(raw), "a rule is {\"transform\": {\"headers\": {...}}}")
+            for name, value in ((transform or {}).get("headers") or {}).items():
+                if not isinstance(value, str) or not _HEADER_NAME.match(str(name)) or \
+                        any(c in value for c in "\r\n\0"):
+                    raise PolicyError(str(raw), f"header {name!r} is not a valid header")
+                rest = SECRET_PLACEHOLDER.sub("", value)
+                if PLACEHOLDER_PREFIX in rest:
+                    raise PolicyError(str(raw), f"header {name!r}: only ${{e2b.secrets.<name>}}"
+                                      " placeholders are supported")
+                headers[str(name).lower()] = (str(name), value)
+        out.append(HeaderRule(pattern, tuple(headers.values())))
+    return tuple(out)

@@ -35,7 +35,7 @@ from . import access, host
 from .addressing import Addressing
 from .errors import NetworkError, PoolClosedError, PoolExhaustedError, SlotBusyError
 from .policy import DEFAULT_POLICY, EgressPolicy
-from .slot import NetworkSlot
+from .slot import EgressHook, NetworkSlot
 
 log = logging.getLogger("aenv.network")
 
@@ -68,6 +68,9 @@ class SlotPool:
         if self.warm_size < 0:
             raise ValueError("warm_size must be >= 0")
         self._tap_uid, self._tap_gid = tap_uid, tap_gid
+        # Serves the egress listeners of slots whose policy names domains (aenv.egress);
+        # set by the node before it hands out slots.
+        self.egress: EgressHook | None = None
         self._cv = threading.Condition()
         self._warm: collections.deque[NetworkSlot] = collections.deque()
         self._leased: dict[int, NetworkSlot] = {}
@@ -156,12 +159,14 @@ class SlotPool:
         if isinstance(picked, int):
             try:
                 slot = NetworkSlot.create(self.addressing, picked, policy=policy,
-                                          tap_uid=self._tap_uid, tap_gid=self._tap_gid)
+                                          tap_uid=self._tap_uid, tap_gid=self._tap_gid,
+                                          egress=self.egress)
             except BaseException:
                 self._free_index(picked)
                 raise
         else:
             slot = picked
+            slot.egress = self.egress
             try:
                 slot.set_policy(policy)
             except BaseException:
@@ -182,7 +187,7 @@ class SlotPool:
                 raise NetworkError(f"slot {index} is already leased")
             self._reserved.add(index)
         try:
-            slot = NetworkSlot.attach(self.addressing, index, policy)
+            slot = NetworkSlot.attach(self.addressing, index, policy, self.egress)
         except BaseException:
             # Whatever is left of it is of no use: remove it so the index can be made anew.
             self._retire(NetworkSlot(self.addressing, self.addressing.slot(index),

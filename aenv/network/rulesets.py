@@ -34,10 +34,16 @@ import ipaddress
 from collections.abc import Iterable
 
 from .addressing import Addressing, SlotAddresses
-from .guest_link import GUEST_IP, NS_VETH_NAME, TAP_NAME
+from .guest_link import GUEST_IP, NS_VETH_NAME, TAP_IP, TAP_NAME
 from .policy import METADATA_ADDRESSES, PRIVATE_RANGES, EgressPolicy
 
 _REJECT = "reject with icmpx type admin-prohibited"
+# Where a slot's egress listener (``aenv.egress``) waits, on the tap's own address: the
+# guest's TCP 80 and 443 are redirected there when its policy ``needs_proxy``.
+EGRESS_PORT = 15080
+PROXIED_PORTS = (80, 443)
+# The sandbox's own volume NFS server (``aenv.storage.volume_server``) on the tap address.
+VOLUME_NFS_PORT = 2049
 
 
 def _set(cidrs: Iterable[str]) -> str:
@@ -121,6 +127,8 @@ def slot_table(a: Addressing, s: SlotAddresses, policy: EgressPolicy) -> str:
         type filter hook input priority filter; policy drop;
         iif "lo" accept
         ct state established,related accept
+        iifname "{TAP_NAME}" ip daddr {TAP_IP} tcp dport {EGRESS_PORT} ct status dnat accept
+        iifname "{TAP_NAME}" ip daddr {TAP_IP} tcp dport {VOLUME_NFS_PORT} accept
     }}
     chain forward {{
         type filter hook forward priority filter; policy drop;
@@ -139,10 +147,24 @@ def slot_table(a: Addressing, s: SlotAddresses, policy: EgressPolicy) -> str:
 """)
 
 
+def _redirect_rules(policy: EgressPolicy) -> list[str]:
+    if not policy.needs_proxy:
+        return []
+    ports = ", ".join(str(p) for p in PROXIED_PORTS)
+    return [f'iifname "{TAP_NAME}" ip saddr {GUEST_IP} tcp dport {{ {ports} }} '
+            f"redirect to :{EGRESS_PORT}"]
+
+
 def policy_update(a: Addressing, policy: EgressPolicy) -> str:
-    """Replace only the user part of a slot's egress rules (one transaction)."""
+    """Replace only the user part of a slot's egress rules (one transaction): the CIDR
+    rules, and the redirect of HTTP(S) to the egress listener (its own nat chain, made
+    on first use)."""
     lines = [f"flush chain inet {a.table} egress_user"]
     lines += [f"add rule inet {a.table} egress_user {r}" for r in _user_rules(policy)]
+    lines.append(f"add chain inet {a.table} egress_redirect "
+                 "{ type nat hook prerouting priority dstnat - 5; policy accept; }")
+    lines.append(f"flush chain inet {a.table} egress_redirect")
+    lines += [f"add rule inet {a.table} egress_redirect {r}" for r in _redirect_rules(policy)]
     return "\n".join(lines) + "\n"
 
 

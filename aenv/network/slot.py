@@ -8,6 +8,11 @@ host end; IPv6 off; the slot's nft table (``rulesets.slot_table``). On the host:
 host end ``<prefix>-v<i>`` with the lower /31 address, and a /32 route for the slot's host
 address via the namespace end. The host table shared by all slots is ``host.prepare``'s job.
 
+A policy that ``needs_proxy`` (domain names, header transforms) gets a listening socket
+made inside the namespace on ``TAP_IP:EGRESS_PORT``, handed to the slot's ``EgressHook``
+(the node's egress proxy) before the redirect to it is loaded, and taken back after the
+redirect is gone; without a hook such a policy is refused.
+
 Creating and destroying use netlink (pyroute2) and one ``nft`` process; no other process
 is spawned. A slot is only ever destroyed or reset by its owner: callers stop the VMM first
 (``reset`` refuses while the tap is attached).
@@ -17,8 +22,11 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
+from collections.abc import Callable
+from typing import Protocol
 
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
@@ -41,6 +49,15 @@ from .policy import DEFAULT_POLICY, EgressPolicy
 
 log = logging.getLogger("aenv.network")
 
+
+class EgressHook(Protocol):
+    """Who serves the egress listeners of slots (``aenv.egress.proxy.EgressProxy``)."""
+
+    def attach(self, key: str, sock: socket.socket,
+               policy: Callable[[], EgressPolicy]) -> None: ...
+
+    def detach(self, key: str) -> None: ...
+
 _ENODEV = 19
 
 # Set before any device exists in a new namespace, so devices inherit the defaults.
@@ -61,12 +78,14 @@ class NetworkSlot:
     run of the server); the pool does both. Attributes are what a runtime driver needs."""
 
     def __init__(self, addressing: Addressing, addrs: SlotAddresses,
-                 policy: EgressPolicy) -> None:
+                 policy: EgressPolicy, egress: EgressHook | None = None) -> None:
         self._a = addressing
         self._addrs = addrs
         self._policy = policy
         self._lock = threading.Lock()
         self._destroyed = False
+        self.egress = egress
+        self._proxied = False
 
     # -- what callers use ------------------------------------------------------------------
 
@@ -111,18 +130,22 @@ class NetworkSlot:
     @classmethod
     def create(cls, addressing: Addressing, index: int, *,
                policy: EgressPolicy = DEFAULT_POLICY,
-               tap_uid: int | None = None, tap_gid: int | None = None) -> NetworkSlot:
+               tap_uid: int | None = None, tap_gid: int | None = None,
+               egress: EgressHook | None = None) -> NetworkSlot:
         """Build slot ``index`` from nothing. On failure what this call made is removed
         (and nothing else: a name that already exists is left alone)."""
         t0 = time.perf_counter()
         addrs = addressing.slot(index)
-        slot = cls(addressing, addrs, policy)
+        slot = cls(addressing, addrs, DEFAULT_POLICY if policy.needs_proxy else policy,
+                   egress)
         made: set[str] = set()
         host_fd = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         try:
             _netns.create(addrs.netns,
                           lambda: slot._setup_inside(host_fd, tap_uid, tap_gid, made))
             slot._setup_host()
+            if policy.needs_proxy:
+                slot.set_policy(policy)
         except BaseException:
             slot._teardown(veth="veth" in made, namespace="netns" in made)
             raise
@@ -134,7 +157,8 @@ class NetworkSlot:
 
     @classmethod
     def attach(cls, addressing: Addressing, index: int,
-               policy: EgressPolicy = DEFAULT_POLICY) -> NetworkSlot:
+               policy: EgressPolicy = DEFAULT_POLICY,
+               egress: EgressHook | None = None) -> NetworkSlot:
         """Adopt slot ``index`` as a previous server process left it (its VMM still running),
         re-applying ``policy`` so the rules match what the caller recorded."""
         addrs = addressing.slot(index)
@@ -143,7 +167,7 @@ class NetworkSlot:
         with IPRoute() as ipr:
             if not ipr.link_lookup(ifname=addrs.host_veth):
                 raise NetworkError(f"slot {index}: host veth {addrs.host_veth} does not exist")
-        slot = cls(addressing, addrs, DEFAULT_POLICY)
+        slot = cls(addressing, addrs, DEFAULT_POLICY, egress)
         slot.set_policy(policy, force=True)
         return slot
 
@@ -154,8 +178,39 @@ class NetworkSlot:
             self._check_alive()
             if policy == self._policy and not force:
                 return
+            if policy.needs_proxy and not self._proxied:
+                self._egress_on()  # listening before anything is redirected to it
             nft.apply(rulesets.policy_update(self._a, policy), netns=self.netns)
             self._policy = policy
+            if not policy.needs_proxy and self._proxied:
+                self._egress_off()
+
+    def _egress_on(self) -> None:
+        if self.egress is None:
+            raise NetworkError("domain egress rules and transforms need the node's egress "
+                               "proxy, which this slot pool was not given")
+
+        def listen() -> socket.socket:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((TAP_IP, rulesets.EGRESS_PORT))
+                sock.listen(128)
+            except BaseException:
+                sock.close()
+                raise
+            return sock
+
+        self.egress.attach(self.netns, _netns.run_in(self.netns, listen), lambda: self._policy)
+        self._proxied = True
+
+    def _egress_off(self) -> None:
+        if self._proxied and self.egress is not None:
+            self._proxied = False
+            try:
+                self.egress.detach(self.netns)
+            except Exception:
+                log.exception("slot %d: egress listener not detached", self.index)
 
     def tap_attached(self) -> bool:
         """True while some process (a VMM) holds the tap open: its carrier is then up."""
@@ -184,6 +239,7 @@ class NetworkSlot:
 
             _netns.run_in(self.netns, inside)
             self._policy = DEFAULT_POLICY
+            self._egress_off()
             conntrack.flush_source(self.host_ip)
 
     def destroy(self) -> None:
@@ -193,6 +249,7 @@ class NetworkSlot:
             if self._destroyed:
                 return
             t0 = time.perf_counter()
+            self._egress_off()
             self._teardown()
             self._destroyed = True
         log.debug("slot destroy index=%d ms=%.1f", self.index, (time.perf_counter() - t0) * 1000)

@@ -5,6 +5,7 @@ and a ``Builder``, behind the API key. Shared by the API's unit tests; nothing h
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,8 @@ from aenv.orchestrator.builds import Builder
 from aenv.orchestrator.metrics import MetricsCollector
 from aenv.orchestrator.service import Limits, Orchestrator
 from aenv.store import Database, SandboxStore, TemplateRecord, TemplateStore
+from aenv.store.secret_box import SecretBox
+from aenv.store.secrets import SecretStore
 from tests.orchestrator.test_orchestrator import FakeMachines
 
 KEY = "e2b_" + "1" * 40
@@ -42,5 +45,6 @@ def make_world(files_dir: Path, *, limits: Limits | None = None) -> World:
     orch = Orchestrator(sandboxes, templates, machines, limits=limits or Limits())
     builder = Builder(templates, machines, files_dir, pins=orch.pins)
     app = create_api(orch, api_key=KEY, domain="localhost", metrics=MetricsCollector(sandboxes),
-                     logs=lambda *a, **k: [], builder=builder, upload_secret=KEY.encode())
+                     logs=lambda *a, **k: [], builder=builder, upload_secret=KEY.encode(),
+                     secret_store=SecretStore(db, SecretBox(os.urandom(32))))
     return World(app, orch, machines, builder)

@@ -81,12 +81,14 @@ def test_update_network_of_a_paused_sandbox_is_409_and_of_a_missing_one_404(sdk)
 
 
 @pytest.mark.parametrize("network, named", [
-    ({"rules": {"api.example.com": [{"transform": {"headers": {"X": "1"}}}]}}, "rules"),
+    ({"rules": {"*": [{"transform": {"headers": {"X": "1"}}}]}}, "rules"),
+    ({"rules": {"a.example.com": [{"transform": {"headers": {
+        "X": "${e2b.identity.tokens.aws}"}}}]}}, "rules"),
     ({"egressProxy": {"address": "proxy.example.com:1080"}}, "egressProxy"),
     ({"maskRequestHost": "bad host\r\nX: y"}, "maskRequestHost"),
     ({"httpsPorts": [3000]}, "httpsPorts"),
     ({"dnsServers": ["not-an-ip"]}, "dnsServers"),
-    ({"allowOut": ["example.com"]}, "example.com"),
+    ({"allowOut": ["not a name!"]}, "not a name!"),
 ])
 def test_unsupported_network_options_are_refused_by_name(sdk, network, named) -> None:
     with httpx.Client(base_url=sdk.url, headers={"X-API-KEY": sdk.api_key}) as c:

@@ -1,0 +1,400 @@
+"""The egress proxy: one asyncio server per proxied slot, on a listening socket the slot
+made inside its namespace (``NetworkSlot`` calls ``attach``/``detach``; the slot's nft
+table redirects the guest's TCP 80 and 443 to it).
+
+Each connection is judged before one byte goes upstream. The proxy peeks at the first
+bytes without taking them (``MSG_PEEK``): a TLS ClientHello gives the SNI name, an HTTP/1
+request head the Host. The slot's policy of that moment decides (``decide_name``); a
+refused connection is closed (TLS) or answered 403 (HTTP). An allowed name is resolved
+by the node (``Resolver``), never by the guest, and every address it gets must pass
+``refused`` (the host, aenv's ranges, metadata) and, unless ``allowOut`` named the name,
+the slot's CIDR rules: a name cannot lead where an address could not.
+
+Then: HTTP goes upstream one request per connection (``Connection: close`` is set, so
+every request's Host is judged) with the transform's headers set. TLS without a transform
+is passed through as it is (end to end encrypted; the proxy never sees inside). TLS with
+a transform is terminated with a certificate from the node's ``EgressCA`` for the SNI
+name, the request's Host must be that name, the headers are set, and the request goes to
+the real host over TLS verified against the system's CAs (and ``upstream_ca``).
+
+``${e2b.secrets.<name>}`` in a header value is replaced by the secret's current value at
+that moment; the guest never sees it. An unknown secret answers 502.
+
+Why a small asyncio proxy of our own rather than mitmproxy or Envoy: per-slot listeners
+in namespaces, peek-then-splice, and one policy lookup per connection are a few hundred
+lines here, against a second daemon with its own configuration channel and release train.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import re
+import socket
+import ssl
+import struct
+import weakref
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+from ..network.policy import EgressPolicy
+from . import sniff
+from .ca import EgressCA
+
+log = logging.getLogger("aenv.egress")
+
+PEEK_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 10.0
+_SO_ORIGINAL_DST = 80
+# Accepted sockets a transport took over (it closes them).
+_TRANSPORTED: weakref.WeakSet[socket.socket] = weakref.WeakSet()
+_SECRET = re.compile(r"\$\{e2b\.secrets\.([^{}\s]+)\}")
+
+
+class Refused(Exception):
+    pass
+
+
+class Resolver:
+    """Names to IPv4 addresses as the node sees them: ``hosts_file`` (the hosts(5) format;
+    re-read when it changes) first, then the system resolver."""
+
+    def __init__(self, hosts_file: Path | None = None) -> None:
+        self.hosts_file = hosts_file
+        self._hosts: dict[str, list[str]] = {}
+        self._mtime: float | None = None
+
+    def _from_file(self, name: str) -> list[str]:
+        if self.hosts_file is None:
+            return []
+        try:
+            mtime = self.hosts_file.stat().st_mtime
+        except OSError:
+            return []
+        if mtime != self._mtime:
+            table: dict[str, list[str]] = {}
+            for line in self.hosts_file.read_text().splitlines():
+                fields = line.split("#", 1)[0].split()
+                if len(fields) >= 2:
+                    for host in fields[1:]:
+                        table.setdefault(host.lower(), []).append(fields[0])
+            self._hosts, self._mtime = table, mtime
+        return self._hosts.get(name, [])
+
+    async def resolve(self, name: str) -> list[str]:
+        found = self._from_file(name)
+        if found:
+            return found
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(
+                name, None, family=socket.AF_INET, type=socket.SOCK_STREAM)
+        except OSError:
+            return []
+        return list(dict.fromkeys(str(i[4][0]) for i in infos))
+
+
+def original_port(sock: socket.socket) -> int | None:
+    """The destination port the guest asked for, before the slot's redirect."""
+    try:
+        raw = sock.getsockopt(socket.SOL_IP, _SO_ORIGINAL_DST, 16)
+    except OSError:
+        return None
+    port: int = struct.unpack_from("!H", raw, 2)[0]
+    return port
+
+
+async def _peek(sock: socket.socket, parse: Callable[[bytes], object]) -> object:
+    """``parse`` of the bytes waiting on ``sock``, peeked (left for whoever reads next)
+    until ``parse`` stops raising NeedMore."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + PEEK_TIMEOUT_S
+    seen = -1
+    while True:
+        try:
+            data = sock.recv(sniff.MAX_HEAD, socket.MSG_PEEK)
+        except BlockingIOError:  # nothing (more) yet
+            await asyncio.sleep(0.005)
+            if loop.time() > deadline:
+                raise Refused("nothing sent") from None
+            continue
+        if not data:
+            raise Refused("closed before a name was sent")
+        if len(data) != seen:
+            seen = len(data)
+            try:
+                return parse(data)
+            except sniff.NeedMore:
+                if len(data) >= sniff.MAX_HEAD:
+                    raise Refused("no name in the first bytes") from None
+        if loop.time() > deadline:
+            raise Refused("timed out waiting for a name")
+        await asyncio.sleep(0.005)
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+        if writer.can_write_eof():
+            writer.write_eof()
+        else:  # TLS cannot half-close: closing is how the other side learns the end
+            writer.close()
+    except (ConnectionError, OSError, ssl.SSLError):
+        pass
+
+
+async def _splice(a: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+                  b: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> None:
+    try:
+        await asyncio.gather(_pipe(a[0], b[1]), _pipe(b[0], a[1]))
+    finally:
+        for w in (a[1], b[1]):
+            w.close()
+
+
+def _answer(status: int, reason: str, text: str) -> bytes:
+    body = text.encode() + b"\n"
+    return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: text/plain\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+
+
+class EgressProxy:
+    def __init__(self, ca: EgressCA, secret: Callable[[str], str | None], *,
+                 resolver: Resolver | None = None,
+                 refused: Callable[[str], bool] = lambda _ip: False,
+                 upstream_ca: Path | None = None) -> None:
+        self.ca, self._secret, self._refused = ca, secret, refused
+        self.resolver = resolver or Resolver()
+        self._upstream = ssl.create_default_context()
+        if upstream_ca is not None:
+            self._upstream.load_verify_locations(cafile=str(upstream_ca))
+        self._upstream.set_alpn_protocols(["http/1.1"])
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._servers: dict[str, tuple[socket.socket, asyncio.Task[None]]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.connections = 0  # handled so far (tests, metrics)
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+
+    async def close(self) -> None:
+        for key in list(self._servers):
+            await self._stop(key)
+        for task in list(self._tasks):
+            task.cancel()
+
+    # -- slots hand their listeners over (from worker threads) -------------------------
+
+    def _call(self, coro: Coroutine[Any, Any, None]) -> None:
+        assert self._loop is not None, "start() first"
+        if _in_loop(self._loop):
+            coro.close()
+            raise RuntimeError("attach/detach block: call them from a worker thread")
+        asyncio.run_coroutine_threadsafe(coro, self._loop).result(10)
+
+    def attach(self, key: str, sock: socket.socket,
+               policy: Callable[[], EgressPolicy]) -> None:
+        """Serve ``sock`` (listening, in a slot's namespace; the proxy owns it from now
+        on) under ``policy``, read afresh for every connection. Blocks until it serves."""
+        self._call(self._serve(key, sock, policy))
+
+    def detach(self, key: str) -> None:
+        """Stop serving ``key`` and close its listener (connections open stay open)."""
+        self._call(self._stop(key))
+
+    async def _serve(self, key: str, sock: socket.socket,
+                     policy: Callable[[], EgressPolicy]) -> None:
+        await self._stop(key)
+        sock.setblocking(False)
+        self._servers[key] = (sock, asyncio.create_task(self._accept(sock, policy)))
+
+    async def _accept(self, listener: socket.socket,
+                      policy: Callable[[], EgressPolicy]) -> None:
+        # Accepted by hand, not by asyncio.start_server: a stream would start reading
+        # the socket at once, and the first bytes must be peeked, not taken.
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(listener)
+            task = asyncio.create_task(self._handle(conn, policy))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _stop(self, key: str) -> None:
+        entry = self._servers.pop(key, None)
+        if entry is not None:
+            sock, task = entry
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            sock.close()
+
+    # -- one connection -------------------------------------------------------------------
+
+    async def _handle(self, sock: socket.socket, policy: Callable[[], EgressPolicy]) -> None:
+        self.connections += 1
+        port = original_port(sock) or 443
+        writer: asyncio.StreamWriter | None = None
+        try:
+            head = await _peek(sock, _sniff)
+            if isinstance(head, sniff.RequestHead):
+                reader, writer = await _streams(sock)
+                await self._http(head, port, reader, writer, policy())
+            else:
+                await self._tls(str(head), port, sock, policy())
+        except Refused as e:
+            log.info("egress: refused %s", e)
+        except (ConnectionError, OSError, ssl.SSLError, asyncio.IncompleteReadError) as e:
+            log.debug("egress: connection ended: %s", e)
+        finally:
+            if writer is not None:
+                writer.close()
+            elif sock not in _TRANSPORTED:
+                sock.close()
+
+    async def _upstream_addr(self, name: str, policy: EgressPolicy) -> list[str]:
+        verdict = policy.decide_name(name)
+        if not verdict.allowed:
+            raise Refused(f"{name}: not allowed by the sandbox's egress rules")
+        addresses = [name] if _is_ip(name) else await self.resolver.resolve(name)
+        ok = [a for a in addresses
+              if not self._refused(a) and (verdict.explicit or policy.ip_allowed(a))]
+        if not ok:
+            raise Refused(f"{name}: no address it may reach ({', '.join(addresses) or 'none'})")
+        return ok
+
+    async def _connect(self, addresses: list[str], port: int, *, tls_name: str | None = None
+                       ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        last: Exception | None = None
+        for a in addresses:
+            try:
+                return await asyncio.wait_for(asyncio.open_connection(
+                    a, port, ssl=self._upstream if tls_name else None,
+                    server_hostname=tls_name), CONNECT_TIMEOUT_S)
+            except (OSError, TimeoutError, ssl.SSLError) as e:
+                last = e
+        raise Refused(f"upstream {addresses}:{port} unreachable: {last}")
+
+    def _headers(self, policy: EgressPolicy, name: str) -> tuple[tuple[str, str], ...]:
+        out = []
+        for key, value in policy.headers_for(name):
+            def fill(m: re.Match[str]) -> str:
+                secret = self._secret(m.group(1))
+                if secret is None:
+                    raise _MissingSecret(m.group(1))
+                return secret
+            out.append((key, _SECRET.sub(fill, value)))
+        return tuple(out)
+
+    async def _http(self, head: sniff.RequestHead, port: int, reader: asyncio.StreamReader,
+                    writer: asyncio.StreamWriter, policy: EgressPolicy) -> None:
+        name = head.host
+        await reader.readexactly(head.size)  # taken before any answer: no reset on close
+        try:
+            if not name:
+                raise Refused("request without a Host")
+            addresses = await self._upstream_addr(name, policy)
+            headers = self._headers(policy, name)
+        except Refused as e:
+            writer.write(_answer(403, "Forbidden", f"aenv egress: {e}"))
+            await writer.drain()
+            writer.close()
+            return
+        except _MissingSecret as e:
+            writer.write(_answer(502, "Bad Gateway", f"aenv egress: unknown secret {e}"))
+            await writer.drain()
+            writer.close()
+            return
+        up = await self._connect(addresses, port)
+        up[1].write(head.render(headers, close=True))
+        await _splice((reader, writer), up)
+
+    async def _tls(self, name: str, port: int, sock: socket.socket,
+                   policy: EgressPolicy) -> None:
+        if not name:
+            raise Refused("TLS without SNI")
+        addresses = await self._upstream_addr(name, policy)
+        if not policy.headers_for(name):
+            up = await self._connect(addresses, port)
+            await _splice(await _streams(sock), up)
+            return
+        # A transform: terminate, with a leaf of our CA for the SNI name.
+        reader, writer = await _streams(sock, self.ca.server_context(name))
+        try:
+            await self._terminated(name, port, addresses, reader, writer, policy)
+        finally:
+            writer.close()
+
+    async def _terminated(self, name: str, port: int, addresses: list[str],
+                          reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                          policy: EgressPolicy) -> None:
+        raw = await reader.readuntil(b"\r\n\r\n")
+        try:
+            head = sniff.request_head(raw)
+        except (sniff.NeedMore, sniff.NotParsable):
+            raise Refused(f"{name}: not an HTTP/1 request inside TLS") from None
+        if head.host != name:
+            writer.write(_answer(421, "Misdirected Request",
+                                 f"aenv egress: Host {head.host} on a connection for {name}"))
+            await writer.drain()
+            writer.close()
+            return
+        try:
+            headers = self._headers(policy, name)
+        except _MissingSecret as e:
+            writer.write(_answer(502, "Bad Gateway", f"aenv egress: unknown secret {e}"))
+            await writer.drain()
+            writer.close()
+            return
+        up = await self._connect(addresses, port, tls_name=name)
+        up[1].write(head.render(headers, close=True))
+        await _splice((reader, writer), up)
+
+
+class _MissingSecret(Exception):
+    pass
+
+
+async def _streams(sock: socket.socket, tls: ssl.SSLContext | None = None
+                   ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Streams over an accepted socket (the server side of TLS with ``tls``); from here
+    on the transport owns the socket."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=2 ** 16)
+    protocol = asyncio.StreamReaderProtocol(reader)
+    transport, _ = await loop.connect_accepted_socket(lambda: protocol, sock, ssl=tls)
+    _TRANSPORTED.add(sock)
+    return reader, asyncio.StreamWriter(transport, protocol, reader, loop)
+
+
+def _sniff(data: bytes) -> object:
+    if sniff.is_tls(data):
+        try:
+            return sniff.sni(data) or ""
+        except sniff.NotParsable as e:
+            raise Refused(str(e)) from None
+    try:
+        return sniff.request_head(data)
+    except sniff.NotParsable as e:
+        raise Refused(str(e)) from None
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.IPv4Address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
+__all__ = ["EgressProxy", "Refused", "Resolver", "original_port"]

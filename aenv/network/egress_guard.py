@@ -1,0 +1,43 @@
+"""Where the egress proxy may never connect on a guest's behalf, whatever the name it was
+given resolves to: the host's own addresses (any interface, asked of the kernel at each
+check by binding to the address), loopback and "this network", aenv's host and veth
+ranges, the cloud metadata addresses and the host-side addresses the host table refuses
+(``host.refused_addresses``). The proxy connects from the host namespace, so the host
+table, which guards what comes from slot veths, does not see these connections.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import socket
+from collections.abc import Callable, Iterable
+
+from .addressing import Addressing
+from .host import refused_addresses
+from .policy import METADATA_ADDRESSES
+
+
+def _is_local(ip: str) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.bind((ip, 0))
+        except OSError as e:
+            return e.errno != errno.EADDRNOTAVAIL
+    return True
+
+
+def upstream_refused(addressing: Addressing,
+                     host_addresses: Iterable[str] = ()) -> Callable[[str], bool]:
+    nets = [ipaddress.IPv4Network(n) for n in (
+        "0.0.0.0/8", "127.0.0.0/8", "224.0.0.0/3", str(addressing.host_net),
+        str(addressing.veth_net), *METADATA_ADDRESSES, *refused_addresses(host_addresses))]
+
+    def refused(address: str) -> bool:
+        try:
+            ip = ipaddress.IPv4Address(address)
+        except ValueError:
+            return True
+        return any(ip in n for n in nets) or _is_local(address)
+
+    return refused

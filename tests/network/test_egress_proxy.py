@@ -1,0 +1,334 @@
+"""The egress proxy end to end in network namespaces, without a VM: a real slot (its nft
+redirect of TCP 80/443 to the listener it made inside its namespace), the stand-in guest
+on its tap, and an "internet" namespace with an HTTP server on :80 and a TLS server on
+:443 whose certificates come from a test CA. The proxy runs in this process on its own
+event loop, as it does in the server.
+
+Shown: an allowed name is reached over HTTP and TLS; a name no entry allows is refused
+under deny-by-default (403 over HTTP, the TLS connection closed) and never reaches the
+server; ``*.`` wildcards match subdomains but not the apex; a Host that is the server's
+address, and a direct connection to another port of it, are refused; a transform's
+header with a secret reaches the server, and the guest's bytes never hold the secret;
+an unknown secret answers 502; the listener goes when the policy no longer needs it.
+Names and addresses are this file's own: ``aes`` objects in 10.125.0.0/16.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import ssl
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pyroute2 import IPRoute
+
+from aenv.egress.ca import EgressCA
+from aenv.egress.proxy import EgressProxy, Resolver
+from aenv.network import NetworkSlot, host, nft
+from aenv.network import netns as ns
+from aenv.network.addressing import Addressing
+from aenv.network.egress_guard import upstream_refused
+from aenv.network.policy import DEFAULT_POLICY, EgressPolicy, header_rules
+
+from .helpers import FakeGuest, Server, make_settings, open_tap
+
+pytestmark = pytest.mark.net
+
+PREFIX = "aes"
+INET_NS, INET_VETH = "aes-inet", "aes-i"
+INET_HOST_IP, INET_IP = "10.125.2.1", "10.125.2.2"
+NAMES = ("allowed.aes.test", "api.aes.test", "plain.aes.test", "wild.aes.test",
+         "a.wild.aes.test", "b.c.wild.aes.test", "denied.aes.test")
+SECRET = "s3cr3t-token-value"
+
+
+class Echo(Server):
+    """HTTP/1 on ``port`` (TLS with ``tls``): answers 200 ``ok <host>`` and records the
+    headers of every request it got in ``seen``."""
+
+    def __init__(self, port: int, tls: ssl.SSLContext | None = None) -> None:
+        self.tls, self.seen = tls, []
+        super().__init__(INET_NS, INET_IP, port)
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _one(self, conn: socket.socket) -> None:
+        try:
+            if self.tls is not None:
+                conn = self.tls.wrap_socket(conn, server_side=True)
+            data = b""
+            while b"\r\n\r\n" not in data:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    return
+                data += chunk
+            lines = data.split(b"\r\n\r\n")[0].decode().split("\r\n")[1:]
+            headers = {k.strip().lower(): v.strip() for k, _, v in
+                       (line.partition(":") for line in lines)}
+            self.seen.append(headers)
+            body = f"ok {headers.get('host')}\n".encode()
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+                         % len(body) + body)
+        except (OSError, ssl.SSLError):
+            pass
+        finally:
+            conn.close()
+
+
+class Guest(FakeGuest):
+    """The stand-in guest with this file's names."""
+
+    def __init__(self, slot: NetworkSlot) -> None:
+        self.slot, self.netns = slot, f"{PREFIX}-g{slot.index}"
+        self._fds: list[int] = []
+        self._stop_r, self._stop_w = os.pipe()
+        try:
+            self._fds.append(ns.create(self.netns, self._setup))
+            self._fds.append(ns.run_in(slot.netns, lambda: open_tap(slot.tap_name)))
+        except BaseException:
+            self.close()
+            raise
+        self._thread = threading.Thread(target=self._relay, daemon=True)
+        self._thread.start()
+
+    def request(self, host: str, *, port: int = 80, tls: ssl.SSLContext | None = None,
+                to: str = INET_IP, sni: str | None = None) -> bytes:
+        """The raw answer to ``GET /`` with ``Host: host`` sent from the guest to
+        ``to``:``port`` (the slot redirects 80/443 whatever the address)."""
+        def go() -> bytes:
+            s = socket.create_connection((to, port), timeout=5)
+            try:
+                if tls is not None:
+                    s = tls.wrap_socket(s, server_hostname=sni or host)
+                s.sendall(f"GET / HTTP/1.1\r\nHost: {host}\r\nUser-Agent: t\r\n\r\n".encode())
+                out = b""
+                while chunk := s.recv(65536):
+                    out += chunk
+                return out
+            finally:
+                s.close()
+        return ns.run_in(self.netns, go)
+
+
+def _inet_up() -> None:
+    host_fd = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+
+    def inside() -> None:
+        with IPRoute() as ipr:
+            ipr.link("set", index=1, state="up")
+            ipr.link("add", ifname="eth0", kind="veth",
+                     peer={"ifname": INET_VETH, "net_ns_fd": host_fd})
+            eth = ipr.link_lookup(ifname="eth0")[0]
+            ipr.addr("add", index=eth, address=INET_IP, prefixlen=30)
+            ipr.link("set", index=eth, state="up")
+    try:
+        ns.create(INET_NS, inside)
+    finally:
+        os.close(host_fd)
+    with IPRoute() as ipr:
+        v = ipr.link_lookup(ifname=INET_VETH)[0]
+        ipr.addr("add", index=v, address=INET_HOST_IP, prefixlen=30)
+        ipr.link("set", index=v, state="up")
+
+
+def _inet_down() -> None:
+    with IPRoute() as ipr:
+        if ipr.link_lookup(ifname=INET_VETH):
+            ipr.link("del", ifname=INET_VETH)
+    ns.remove(INET_NS)
+
+
+class World:
+    def __init__(self, tmp: Path) -> None:
+        self.addressing = Addressing(make_settings(
+            tmp, name_prefix=PREFIX, host_cidr="10.125.0.0/24", veth_cidr="10.125.1.0/24"))
+        self.site_ca = EgressCA(tmp / "site-ca")  # the "internet"'s own CA
+        self.node_ca = EgressCA(tmp / "node-ca")
+        hosts = tmp / "hosts"
+        hosts.write_text(f"{INET_IP} {' '.join(NAMES)}\n")
+        self.secrets = {"tok": SECRET}
+        self.proxy = EgressProxy(self.node_ca, self.secrets.get, resolver=Resolver(hosts),
+                                 refused=upstream_refused(self.addressing),
+                                 upstream_ca=tmp / "site-ca" / "ca.pem")
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self.proxy.start(), self.loop).result(5)
+        site = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        for name in NAMES:
+            cert, key = self.site_ca.leaf(name)
+            (tmp / f"{name}.pem").write_bytes(cert + key)
+        # One certificate per name, chosen by SNI.
+        contexts = {}
+        for name in NAMES:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(str(tmp / f"{name}.pem"))
+            contexts[name] = ctx
+        site.load_cert_chain(str(tmp / f"{NAMES[0]}.pem"))
+        site.sni_callback = lambda s, name, _: setattr(s, "context", contexts[name]) \
+            if name in contexts else None
+        self.http = Echo(80)
+        self.https = Echo(443, site)
+        self.other = Echo(8080)
+        self.slot = NetworkSlot.create(self.addressing, 1, egress=self.proxy)
+        self.guest = Guest(self.slot)
+
+    def trusting(self, ca: EgressCA) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=str(ca.directory / "ca.pem"))
+        return ctx
+
+    def close(self) -> None:
+        for part in ("guest", "slot"):
+            obj = getattr(self, part, None)
+            if obj is not None:
+                obj.close() if part == "guest" else obj.destroy()
+        for srv in ("http", "https", "other"):
+            if hasattr(self, srv):
+                getattr(self, srv).close()
+        asyncio.run_coroutine_threadsafe(self.proxy.close(), self.loop).result(5)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    if os.geteuid() != 0 or nft.binary() is None:
+        pytest.skip("network tests need root and nft")
+    tmp = tmp_path_factory.mktemp("egress")
+    addressing = Addressing(make_settings(tmp, name_prefix=PREFIX, host_cidr="10.125.0.0/24",
+                                          veth_cidr="10.125.1.0/24"))
+    host.prepare(addressing)
+    w: World | None = None
+    try:
+        _inet_up()
+        w = World(tmp)
+        yield w
+    finally:
+        if w is not None:
+            w.close()
+        _inet_down()
+        host.remove_table(addressing)
+    leftovers = [n for n in ns.list_names() if n.startswith(PREFIX + "-")]
+    assert not leftovers, leftovers
+
+
+POLICY = EgressPolicy.build(
+    allow_out=["allowed.aes.test", "api.aes.test", "plain.aes.test", "*.wild.aes.test"],
+    deny_out=["0.0.0.0/0"],
+    rules=header_rules({
+        "api.aes.test": [{"transform": {"headers": {
+            "Authorization": "Bearer ${e2b.secrets.tok}"}}}],
+        "plain.aes.test": [{"transform": {"headers": {"X-Key": "${e2b.secrets.tok}",
+                                                     "User-Agent": "aenv"}}}],
+        "denied.aes.test": [{"transform": {"headers": {"X-Key": "${e2b.secrets.nope}"}}}],
+    }))
+
+
+@pytest.fixture
+def proxied(world: World) -> Iterator[World]:
+    world.slot.set_policy(POLICY)
+    world.http.seen.clear()
+    world.https.seen.clear()
+    yield world
+    world.slot.set_policy(DEFAULT_POLICY)
+
+
+def test_an_allowed_name_is_reached_over_http_and_tls(proxied: World) -> None:
+    w = proxied
+    assert w.guest.request("allowed.aes.test").endswith(b"ok allowed.aes.test\n")
+    out = w.guest.request("allowed.aes.test", port=443, tls=w.trusting(w.site_ca))
+    assert out.endswith(b"ok allowed.aes.test\n")  # end to end: the site's own certificate
+    assert [h["host"] for h in w.http.seen + w.https.seen] == ["allowed.aes.test"] * 2
+    # HTTP goes one request per connection, so every request's Host is judged.
+    assert w.http.seen[0]["connection"] == "close"
+
+
+def test_a_name_not_allowed_is_refused_and_never_reaches_the_server(proxied: World) -> None:
+    w = proxied
+    out = w.guest.request("denied.aes.test")
+    assert out.startswith(b"HTTP/1.1 403"), out
+    with pytest.raises((ssl.SSLError, OSError)):
+        w.guest.request("denied.aes.test", port=443, tls=w.trusting(w.site_ca))
+    assert w.http.seen == [] and w.https.seen == []
+
+
+def test_a_wildcard_matches_subdomains_not_the_apex(proxied: World) -> None:
+    w = proxied
+    assert w.guest.request("a.wild.aes.test").endswith(b"ok a.wild.aes.test\n")
+    assert w.guest.request("b.c.wild.aes.test", port=443,
+                           tls=w.trusting(w.site_ca)).endswith(b"ok b.c.wild.aes.test\n")
+    assert w.guest.request("wild.aes.test").startswith(b"HTTP/1.1 403")
+
+
+def test_the_servers_address_is_no_way_around_the_names(proxied: World) -> None:
+    w = proxied
+    assert w.guest.request(INET_IP).startswith(b"HTTP/1.1 403")  # Host: an address
+    with pytest.raises(OSError):
+        w.guest.request("allowed.aes.test", port=8080)  # another port: the CIDR rules
+    assert w.other.seen == [] and w.http.seen == []
+
+
+def test_a_transform_sets_headers_the_guest_never_sees(proxied: World) -> None:
+    w = proxied
+    out = w.guest.request("api.aes.test", port=443, tls=w.trusting(w.node_ca))
+    assert out.endswith(b"ok api.aes.test\n")
+    assert w.https.seen[-1]["authorization"] == f"Bearer {SECRET}"
+    out += w.guest.request("plain.aes.test")
+    assert w.http.seen[-1]["x-key"] == SECRET and w.http.seen[-1]["user-agent"] == "aenv"
+    assert SECRET.encode() not in out
+    # Terminated with the node's CA: a guest that trusts only the site's CA refuses it.
+    with pytest.raises(ssl.SSLCertVerificationError):
+        w.guest.request("api.aes.test", port=443, tls=w.trusting(w.site_ca))
+
+
+def test_a_secret_updated_applies_to_the_next_request(proxied: World) -> None:
+    w = proxied
+    w.secrets["tok"] = "rotated"
+    try:
+        w.guest.request("plain.aes.test")
+        assert w.http.seen[-1]["x-key"] == "rotated"
+    finally:
+        w.secrets["tok"] = SECRET
+
+
+def test_an_unknown_secret_answers_502(world: World) -> None:
+    policy = EgressPolicy.build(allow_out=["allowed.aes.test"], deny_out=["0.0.0.0/0"],
+                                rules=header_rules({"allowed.aes.test": [
+                                    {"transform": {"headers": {"X": "${e2b.secrets.nope}"}}}]}))
+    world.slot.set_policy(policy)
+    try:
+        assert world.guest.request("allowed.aes.test").startswith(b"HTTP/1.1 502")
+    finally:
+        world.slot.set_policy(DEFAULT_POLICY)
+
+
+def test_names_without_deny_by_default_follow_the_cidr_rules(world: World) -> None:
+    """Only a denied name is refused; another name is reached unless its address is one
+    the slot refuses anyway (here: a private address, as a direct connection would be)."""
+    world.slot.set_policy(EgressPolicy.build(deny_out=["denied.aes.test"]))
+    try:
+        assert world.guest.request("denied.aes.test").startswith(b"HTTP/1.1 403")
+        out = world.guest.request("allowed.aes.test")
+        assert out.startswith(b"HTTP/1.1 403") and b"no address it may reach" in out
+    finally:
+        world.slot.set_policy(DEFAULT_POLICY)
+
+
+def test_the_listener_goes_with_the_policy_that_needed_it(world: World) -> None:
+    world.slot.set_policy(POLICY)
+    assert world.proxy._servers
+    world.slot.set_policy(EgressPolicy.build(deny_out=["0.0.0.0/0"]))
+    assert not world.proxy._servers
+    with pytest.raises(OSError):  # no redirect: the CIDR rules refuse it
+        world.guest.request("allowed.aes.test")
+    world.slot.set_policy(DEFAULT_POLICY)
