@@ -446,6 +446,15 @@ class Settings(_Declared):
     registry_ca: Path | None = setting(
         "AENV_REGISTRY_CA", None, check=_file,
         doc="PEM file of CA certificates trusted for registries, besides the public ones")
+    # -- the egress proxy (aenv/egress): domain allow/deny and header transforms
+    egress_hosts: Path | None = setting(
+        "AENV_EGRESS_HOSTS", None, check=_file,
+        doc="hosts(5) file the egress proxy resolves names with before the system "
+            "resolver (split-horizon names, pinned addresses)")
+    egress_upstream_ca: Path | None = setting(
+        "AENV_EGRESS_UPSTREAM_CA", None, check=_file,
+        doc="PEM file of CA certificates the egress proxy trusts, besides the public ones, "
+            "for the HTTPS hosts whose requests it changes")
     layer_cache_mb: int = setting(
         "AENV_LAYER_CACHE_MB", 20480, check=_at_least(0),
         doc="MiB of pulled image blobs kept (least recently used go first)")

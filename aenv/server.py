@@ -23,6 +23,7 @@ from .cluster.drain import drain_router
 from .cluster.node_agent import PublishAfterChange
 from .cluster.node_setup import node_agent
 from .config import Settings
+from .egress.setup import node_proxy
 from .envd.signing import Operation
 from .envd.signing import signature as envd_signature
 from .orchestrator.admission import Budget
@@ -101,6 +102,10 @@ class Server:
         self.volumes = Volumes(VolumeStore(self.db), self.sandboxes, settings)
         self.secrets = SecretStore(self.db, SecretBox(load_key(settings.secrets_dir)))
         self.machines = machines
+        self.egress = node_proxy(settings, self.secrets)
+        if getattr(machines, "pool", None) is not None:  # VMs in network slots
+            machines.pool.egress = self.egress  # type: ignore[attr-defined]
+            machines.egress_ca = self.egress.ca.pem  # type: ignore[attr-defined]
         self.orchestrator = Orchestrator(
             self.sandboxes, self.templates, machines,
             limits=self.options.limits, budget=self.options.budget,
@@ -142,6 +147,7 @@ class Server:
     async def start(self) -> None:
         asyncio.get_running_loop().set_default_executor(
             ThreadPoolExecutor(BLOCKING_THREADS, thread_name_prefix="aenv-host"))
+        await self.egress.start()  # before slots are adopted with their policies
         live = self.sandboxes.live()
         await self.machines.prepare({r.slot for r in live if r.slot is not None},
                                     {Path(r.vm_dir).name for r in live if r.vm_dir})
@@ -187,6 +193,7 @@ class Server:
         await self.builder.close()
         await self.orchestrator.close()
         await self.machines.close()
+        await self.egress.close()
         await asyncio.to_thread(self.volumes.close)
         await self.proxy.close()
         self.db.close()

@@ -28,6 +28,7 @@ from ..config import Settings
 from ..envd import ENVD_PORT
 from ..guest.bootargs import ToolsBoot, guest_boot_args
 from ..network import EgressPolicy, NetworkSlot, SlotPool, cleanup_leftovers
+from ..network.policy import header_rules
 from ..runtime import (
     VM,
     AttachError,
@@ -103,7 +104,8 @@ def egress_policy(rec: SandboxRecord) -> EgressPolicy:
     try:
         return EgressPolicy.build(
             allow_out=net.get("allowOut") or (), deny_out=net.get("denyOut") or (),
-            allow_internet=rec.allow_internet is not False)
+            allow_internet=rec.allow_internet is not False,
+            rules=header_rules(net.get("rules")))
     except ValueError as e:
         raise InvalidRequest(f"invalid network policy: {e}") from e
 
@@ -125,6 +127,8 @@ class NodeMachines:
         self.base: Image | None = None
         self._tools: ToolsDrive | None = None  # built on the first boot that needs it
         self._running: dict[str, _Running] = {}
+        # The egress proxy's CA (set by the server): every guest trusts it (/init).
+        self.egress_ca: str | None = None
         self._starts = 0  # VM starts under way: the VMM pool refills between them
         # VMMs started ahead of demand in warm slots, waiting for a create to load a
         # template's state (``aenv.runtime.vmm_pool``), when the driver can.
@@ -444,7 +448,7 @@ class NodeMachines:
                             default_user=template.user or "user",
                             default_workdir=template.workdir,
                             current_token=template.envd_token if restored else None,
-                            entropy=os.urandom(64),
+                            entropy=os.urandom(64), ca_bundle=self.egress_ca,
                             wait=ENVD_READY_TIMEOUT_S if vm else 0.0,
                             alive=vm.is_alive if vm else None)
             if not restored and template.start_cmd:
