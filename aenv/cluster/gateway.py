@@ -5,9 +5,13 @@ One listener, as a node has (``aenv.proxy.front.Front`` decides per request):
 
 - sandbox traffic (``E2b-Sandbox-Id``/``-Port`` headers, or Host ``<port>-<id>.<domain>``)
   is streamed by ``aenv.proxy.ProxyRouter`` (HTTP and WebSocket, the node's own code) to
-  the node that holds the sandbox, per the Redis index; the node routes it on to the VM.
-  Sandboxes unknown to the index, or on a node past its heartbeat TTL, answer E2B's 502
-  "The sandbox was not found"; a route found is reused for ``ROUTE_CACHE_S`` (1 s).
+  the node that holds the sandbox, per the Redis index; the node routes it on to the VM
+  (the hop is ``aenv.proxy.relay``'s). Sandboxes unknown to the index, or on a node past
+  its heartbeat TTL, answer E2B's 502 "The sandbox was not found", except a paused one
+  created with ``autoResume`` whose node offered it to the cluster (shared store): the
+  traffic resumes it on another node, as a connect would (below), and then goes there;
+  concurrent requests wait for the one resume. A route found is reused for
+  ``ROUTE_CACHE_S`` (1 s).
   Signed ``/files`` URLs and token-only envd calls need the sandbox's token, which a
   gateway does not have: they are not routed (yet).
 - REST, after the client's ``X-API-KEY`` is checked against the gateway's key:
@@ -86,6 +90,8 @@ LIST_TIMEOUT_S = 10.0
 # a sandbox gone meanwhile gets the node's own 502, a node gone its connection error.
 ROUTE_CACHE_S = 1.0
 ROUTE_CACHE_SIZE = 100_000
+# What a resume by traffic asks for (the node's own auto-resume gives the same).
+AUTO_RESUME_TIMEOUT_S = 300
 _SANDBOX = re.compile(r"^(?:/v2)?/sandboxes/([^/]+)(?:/.*)?$")
 _TEMPLATE = re.compile(r"^(?:/v2)?/templates/(?!aliases/|tags/?$)([^/]+)(?:/.*)?$")
 _UPLOAD = re.compile(r"^/templates/([^/]+)/files/[^/]+/upload$")
@@ -153,11 +159,14 @@ class Gateway:
         self.in_flight: Counter[str] = Counter()   # creates this gateway has sent, per node
         self.proxy = ProxyRouter(RouteTable(self._route))
         self._routes: dict[str, tuple[float, Route]] = {}  # sandbox id -> (until, route)
+        self._resuming: dict[str, asyncio.Task[bool]] = {}  # by traffic, per sandbox id
         rest = ApiKeyMiddleware(self._rest, api_key)
         self.app: ASGIApp = _Lifespan(Front(rest, self.proxy, _no_signed, _no_token),
                                       self.close)
 
     async def close(self) -> None:
+        for task in list(self._resuming.values()):
+            task.cancel()
         await self.proxy.close()
         await self.http.aclose()
         await self.registry.close()
@@ -170,6 +179,8 @@ class Gateway:
         if cached is not None and cached[0] > now:
             return cached[1]
         route = await self._lookup(sandbox_id)
+        if route is None and await self._resumed_by_traffic(sandbox_id):
+            route = await self._lookup(sandbox_id)
         if route is not None:  # misses are not kept: a new sandbox is routed at once
             if len(self._routes) >= ROUTE_CACHE_SIZE:
                 self._routes = {k: v for k, v in self._routes.items() if v[0] > now}
@@ -190,6 +201,45 @@ class Gateway:
         host, port = _address(node.record.url)
         return Route(sandbox_id=sandbox_id, host_ip=host, envd_token=None, traffic_token=None,
                      generation=f"{node.record.node_id}@{node.record.url}", node=(host, port))
+
+    async def _resumed_by_traffic(self, sandbox_id: str) -> bool:
+        """Traffic for a paused ``autoResume`` sandbox whose node is gone: resume it on
+        another node (one resume however many requests wait); True once it runs there."""
+        task = self._resuming.get(sandbox_id)
+        if task is None:
+            try:
+                owner = await self.registry.locate(sandbox_id)
+                node = await self.registry.node(owner) if owner else None
+                if node is None or node.alive:  # a live node resumes its own
+                    return False
+                if not await self.registry.auto_resumes(sandbox_id):
+                    return False
+            except (RedisError, OSError) as e:
+                log.warning("registry unreachable routing sandbox %s: %s", sandbox_id, e)
+                return False
+            task = asyncio.create_task(self._resume_gone(sandbox_id, node),
+                                       name=f"auto-resume-{sandbox_id}")
+            self._resuming[sandbox_id] = task
+            task.add_done_callback(lambda _: self._resuming.pop(sandbox_id, None))
+        return await asyncio.shield(task)
+
+    async def _resume_gone(self, sandbox_id: str, owner: NodeStatus) -> bool:
+        log.info("sandbox %s: traffic while paused on node %s, which is gone: resuming it "
+                 "elsewhere", sandbox_id, owner.record.node_id)
+        path = f"/sandboxes/{sandbox_id}/connect"
+        scope: Scope = {"type": "http", "method": "POST", "path": path, "query_string": b"",
+                        "headers": [(b"content-type", b"application/json")]}
+        body = json.dumps({"timeout": AUTO_RESUME_TIMEOUT_S}).encode()
+        try:
+            reply = await self._resume_elsewhere(scope, body, sandbox_id, owner, None)
+        except (RedisError, OSError) as e:
+            log.warning("sandbox %s: not resumed by traffic: %s", sandbox_id, e)
+            return False
+        if reply.status >= 300:
+            log.warning("sandbox %s: not resumed by traffic (%d): %s", sandbox_id,
+                        reply.status, reply.body[:300].decode("utf-8", "replace"))
+            return False
+        return True
 
     # -- REST
 

@@ -136,7 +136,8 @@ def node_agent(settings: Settings, sandboxes: SandboxStore,
         # A paused sandbox another node took is not published, even before the orchestrator
         # forgets it (``drop_moved``): it would route the sandbox back here.
         return [IndexEntry(r.id, r.state in VM_STATES,
-                           offered(r.snapshot_id) if r.state == SandboxState.PAUSED else "")
+                           offered(r.snapshot_id) if r.state == SandboxState.PAUSED else "",
+                           auto_resume=r.auto_resume and r.state == SandboxState.PAUSED)
                 for r in sandboxes.live()
                 if handover is None or r.state != SandboxState.PAUSED
                 or not handover.moved(r)]

@@ -17,6 +17,8 @@ clusters sharing one Redis):
   template (built it, or started a sandbox from it), which creates from it prefer.
 - ``requires`` (hash): sandbox id -> JSON portability requirements of a paused sandbox
   whose node offered it to the cluster (``handover``): another node may resume it.
+- ``autoresume`` (set): those of them created with ``autoResume``: traffic to one whose
+  node is gone makes a gateway resume it elsewhere.
 
 Redis holds nothing a node cannot say again: ``publish`` replaces a node's whole share of
 the index in one transaction (MULTI/EXEC) from what the node's store holds, and
@@ -108,6 +110,9 @@ class IndexEntry:
     # A paused sandbox offered to other nodes (shared store): its snapshot's portability
     # requirements, as JSON.
     requires: str = ""
+    # Offered, and traffic resumes it (``autoResume``): a gateway does so on another node
+    # when this one is gone.
+    auto_resume: bool = False
 
 
 @dataclass
@@ -172,6 +177,11 @@ class Registry:
             unoffered = (ids - set(offered)) | gone
             if unoffered:
                 p.hdel(self._k("requires"), *unoffered)
+            resumable = {e.sandbox_id for e in entries if e.requires and e.auto_resume}
+            if resumable:
+                p.sadd(self._k("autoresume"), *resumable)
+            if (ids | gone) - resumable:
+                p.srem(self._k("autoresume"), *((ids | gone) - resumable))
             p.hset(self._k("nodes"), record.node_id, record.to_json())
             p.set(self._k("alive", record.node_id), str(time.time()), px=int(self.ttl_s * 1000))
             await p.execute()
@@ -217,6 +227,10 @@ class Registry:
         value: dict[str, Any] = json.loads(_str(raw))
         return value
 
+    async def auto_resumes(self, sandbox_id: str) -> bool:
+        """Whether traffic resumes the offered, paused ``sandbox_id`` (``autoResume``)."""
+        return bool(await self.client.sismember(self._k("autoresume"), sandbox_id))
+
     # -- templates (written by gateways)
 
     async def set_template_home(self, node_id: str, *refs: str) -> None:
@@ -248,6 +262,7 @@ class Registry:
         async with self.client.pipeline(transaction=True) as p:
             if ids:
                 p.hdel(self._k("sandboxes"), *ids)
+                p.srem(self._k("autoresume"), *ids)
             p.delete(self._k("node", node_id, "sandboxes"), self._k("alive", node_id))
             p.hdel(self._k("nodes"), node_id)
             await p.execute()

@@ -322,27 +322,40 @@ def _as_if_taken_under_kvm(cluster: Cluster, sandbox_id: str) -> None:
         r.hset("aenv:requires", sandbox_id, json.dumps(fake, sort_keys=True))
 
 
+def _count(sbx: Sandbox) -> int:
+    """The counter's file, read again if caught between its truncation and its write."""
+    for _ in range(20):
+        text = sbx.files.read("/tmp/count").strip()
+        if text:
+            return int(text)
+        time.sleep(0.05)
+    raise AssertionError("/tmp/count stays empty")
+
+
 def test_a_sandbox_paused_on_a_node_killed_resumes_on_the_other(cluster: Cluster) -> None:
-    """Pause two sandboxes on c1 and SIGKILL it: connecting through the gateway resumes
+    """Pause three sandboxes on c1 and SIGKILL it: connecting through the gateway resumes
     the first on c2 from the shared store, files and a running process intact; the
     second, faked as taken under KVM on another CPU, is refused with the reason and not
-    sent to c2, which refuses it too when asked directly. c1, back, lets the first go."""
+    sent to c2, which refuses it too when asked directly, and traffic does not move it;
+    the third, created with autoResume, is resumed on c2 by its traffic alone. c1, back,
+    lets the first and third go."""
     victim, other = cluster.nodes["c1"], cluster.nodes["c2"]
     ids: list[str] = []
     try:
-        for _ in range(2):
-            r = _on_node(victim, "POST", "/sandboxes", json={"templateID": "base",
-                                                             "timeout": 600})
+        for auto in (False, False, True):
+            r = _on_node(victim, "POST", "/sandboxes", json={
+                "templateID": "base", "timeout": 600, "autoResume": {"enabled": auto}})
             assert r.status_code == 201, r.text
             ids.append(r.json()["sandboxID"])
-        moving, stuck = ids
+        moving, stuck, by_traffic = ids
+        Sandbox.connect(by_traffic).files.write("/home/user/auto.txt", "auto on c1")
         sbx = Sandbox.connect(moving)
         sbx.files.write("/home/user/kept.txt", "written on c1")
         counter = sbx.commands.run(
             "i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done",
             background=True)
         time.sleep(1)
-        before = int(sbx.files.read("/tmp/count"))
+        before = _count(sbx)
         with cluster.api() as c:
             for sid in ids:
                 assert c.post(f"/sandboxes/{sid}/pause").status_code == 204
@@ -364,7 +377,7 @@ def test_a_sandbox_paused_on_a_node_killed_resumes_on_the_other(cluster: Cluster
         alive = sbx.commands.run(f"kill -0 {pid} && cat /proc/{pid}/cmdline | tr '\\0' ' '")
         assert "while" in alive.stdout
         time.sleep(1)
-        after = int(sbx.files.read("/tmp/count"))
+        after = _count(sbx)
         assert after > before  # counted on from its memory, not started again
 
         # The second: no node can restore it, and it says why.
@@ -379,13 +392,26 @@ def test_a_sandbox_paused_on_a_node_killed_resumes_on_the_other(cluster: Cluster
         assert "cannot be resumed on this node" in r.json()["message"]
         assert "Imaginary CPU 9000" in r.json()["message"]
         assert (cluster.shared / "handover" / f"{stuck}.json").is_file()  # still offered
+
+        # Traffic alone: the autoResume one comes back on c2; the other one stays paused.
+        envd = {"E2b-Sandbox-Port": "49983"}
+        r = httpx.get(cluster.gateway_url + "/health", timeout=120,
+                      headers={**envd, "E2b-Sandbox-Id": by_traffic})
+        assert r.status_code == 204, r.text
+        assert cluster.node_of(by_traffic) == "c2"
+        assert Sandbox.connect(by_traffic).files.read("/home/user/auto.txt") == "auto on c1"
+        r = httpx.get(cluster.gateway_url + "/health", timeout=30,
+                      headers={**envd, "E2b-Sandbox-Id": stuck})
+        assert r.status_code == 502 and cluster.node_of(stuck) == "c1"
     finally:
-        victim.start()
+        if victim.proc is None or victim.proc.poll() is not None:  # killed: back again
+            victim.start()
     try:
         # Back, c1 forgets the one c2 took (the index keeps it on c2) and keeps the other.
         assert cluster.statuses()["c1"] == "ready"
-        assert cluster.node_of(moving) == "c2"
+        assert cluster.node_of(moving) == cluster.node_of(by_traffic) == "c2"
         assert _on_node(victim, "GET", f"/sandboxes/{moving}").status_code == 404
+        assert _on_node(victim, "GET", f"/sandboxes/{by_traffic}").status_code == 404
         assert cluster.node_of(stuck) == "c1"
         assert Sandbox.connect(stuck).commands.run("echo home").stdout.strip() == "home"
     finally:
