@@ -217,10 +217,12 @@ class Gateway:
             except (RedisError, OSError) as e:
                 log.warning("registry unreachable routing sandbox %s: %s", sandbox_id, e)
                 return False
-            task = asyncio.create_task(self._resume_gone(sandbox_id, node),
-                                       name=f"auto-resume-{sandbox_id}")
-            self._resuming[sandbox_id] = task
-            task.add_done_callback(lambda _: self._resuming.pop(sandbox_id, None))
+            task = self._resuming.get(sandbox_id)  # another request's, started meanwhile
+            if task is None:
+                task = asyncio.create_task(self._resume_gone(sandbox_id, node),
+                                           name=f"auto-resume-{sandbox_id}")
+                self._resuming[sandbox_id] = task
+                task.add_done_callback(lambda _: self._resuming.pop(sandbox_id, None))
         return await asyncio.shield(task)
 
     async def _resume_gone(self, sandbox_id: str, owner: NodeStatus) -> bool:
