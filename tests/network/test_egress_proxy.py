@@ -24,7 +24,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from pyroute2 import IPRoute
 
 from aenv.egress.ca import EgressCA
 from aenv.egress.proxy import EgressProxy, Resolver
@@ -34,55 +33,14 @@ from aenv.network.addressing import Addressing
 from aenv.network.egress_guard import upstream_refused
 from aenv.network.policy import DEFAULT_POLICY, EgressPolicy, header_rules
 
-from .helpers import FakeGuest, Server, make_settings, open_tap
+from .egress_world import Internet
+from .helpers import FakeGuest, make_settings, open_tap
 
 pytestmark = pytest.mark.net
 
 PREFIX = "aes"
-INET_NS, INET_VETH = "aes-inet", "aes-i"
 INET_HOST_IP, INET_IP = "10.125.2.1", "10.125.2.2"
-NAMES = ("allowed.aes.test", "api.aes.test", "plain.aes.test", "wild.aes.test",
-         "a.wild.aes.test", "b.c.wild.aes.test", "denied.aes.test")
 SECRET = "s3cr3t-token-value"
-
-
-class Echo(Server):
-    """HTTP/1 on ``port`` (TLS with ``tls``): answers 200 ``ok <host>`` and records the
-    headers of every request it got in ``seen``."""
-
-    def __init__(self, port: int, tls: ssl.SSLContext | None = None) -> None:
-        self.tls, self.seen = tls, []
-        super().__init__(INET_NS, INET_IP, port)
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
-
-    def _one(self, conn: socket.socket) -> None:
-        try:
-            if self.tls is not None:
-                conn = self.tls.wrap_socket(conn, server_side=True)
-            data = b""
-            while b"\r\n\r\n" not in data:
-                chunk = conn.recv(4096)
-                if not chunk:
-                    return
-                data += chunk
-            lines = data.split(b"\r\n\r\n")[0].decode().split("\r\n")[1:]
-            headers = {k.strip().lower(): v.strip() for k, _, v in
-                       (line.partition(":") for line in lines)}
-            self.seen.append(headers)
-            body = f"ok {headers.get('host')}\n".encode()
-            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
-                         % len(body) + body)
-        except (OSError, ssl.SSLError):
-            pass
-        finally:
-            conn.close()
 
 
 class Guest(FakeGuest):
@@ -120,81 +78,32 @@ class Guest(FakeGuest):
         return ns.run_in(self.netns, go)
 
 
-def _inet_up() -> None:
-    host_fd = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-
-    def inside() -> None:
-        with IPRoute() as ipr:
-            ipr.link("set", index=1, state="up")
-            ipr.link("add", ifname="eth0", kind="veth",
-                     peer={"ifname": INET_VETH, "net_ns_fd": host_fd})
-            eth = ipr.link_lookup(ifname="eth0")[0]
-            ipr.addr("add", index=eth, address=INET_IP, prefixlen=30)
-            ipr.link("set", index=eth, state="up")
-    try:
-        ns.create(INET_NS, inside)
-    finally:
-        os.close(host_fd)
-    with IPRoute() as ipr:
-        v = ipr.link_lookup(ifname=INET_VETH)[0]
-        ipr.addr("add", index=v, address=INET_HOST_IP, prefixlen=30)
-        ipr.link("set", index=v, state="up")
-
-
-def _inet_down() -> None:
-    with IPRoute() as ipr:
-        if ipr.link_lookup(ifname=INET_VETH):
-            ipr.link("del", ifname=INET_VETH)
-    ns.remove(INET_NS)
-
-
 class World:
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, inet: Internet) -> None:
         self.addressing = Addressing(make_settings(
             tmp, name_prefix=PREFIX, host_cidr="10.125.0.0/24", veth_cidr="10.125.1.0/24"))
-        self.site_ca = EgressCA(tmp / "site-ca")  # the "internet"'s own CA
+        self.inet, self.site_ca = inet, inet.ca
+        self.http, self.https, self.other = inet.http, inet.https, inet.other
         self.node_ca = EgressCA(tmp / "node-ca")
-        hosts = tmp / "hosts"
-        hosts.write_text(f"{INET_IP} {' '.join(NAMES)}\n")
         self.secrets = {"tok": SECRET}
-        self.proxy = EgressProxy(self.node_ca, self.secrets.get, resolver=Resolver(hosts),
+        self.proxy = EgressProxy(self.node_ca, self.secrets.get, resolver=Resolver(inet.hosts),
                                  refused=upstream_refused(self.addressing),
-                                 upstream_ca=tmp / "site-ca" / "ca.pem")
+                                 upstream_ca=inet.ca_file)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         asyncio.run_coroutine_threadsafe(self.proxy.start(), self.loop).result(5)
-        site = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        for name in NAMES:
-            cert, key = self.site_ca.leaf(name)
-            (tmp / f"{name}.pem").write_bytes(cert + key)
-        # One certificate per name, chosen by SNI.
-        contexts = {}
-        for name in NAMES:
-            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-            ctx.load_cert_chain(str(tmp / f"{name}.pem"))
-            contexts[name] = ctx
-        site.load_cert_chain(str(tmp / f"{NAMES[0]}.pem"))
-        site.sni_callback = lambda s, name, _: setattr(s, "context", contexts[name]) \
-            if name in contexts else None
-        self.http = Echo(80)
-        self.https = Echo(443, site)
-        self.other = Echo(8080)
         self.slot = NetworkSlot.create(self.addressing, 1, egress=self.proxy)
         self.guest = Guest(self.slot)
 
     def trusting(self, ca: EgressCA) -> ssl.SSLContext:
-        ctx = ssl.create_default_context(cafile=str(ca.directory / "ca.pem"))
-        return ctx
+        return ssl.create_default_context(cafile=str(ca.directory / "ca.pem"))
 
     def close(self) -> None:
-        for part in ("guest", "slot"):
-            obj = getattr(self, part, None)
-            if obj is not None:
-                obj.close() if part == "guest" else obj.destroy()
-        for srv in ("http", "https", "other"):
-            if hasattr(self, srv):
-                getattr(self, srv).close()
+        if getattr(self, "guest", None) is not None:
+            self.guest.close()
+        if getattr(self, "slot", None) is not None:
+            self.slot.destroy()
         asyncio.run_coroutine_threadsafe(self.proxy.close(), self.loop).result(5)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
@@ -209,14 +118,16 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
                                           veth_cidr="10.125.1.0/24"))
     host.prepare(addressing)
     w: World | None = None
+    inet: Internet | None = None
     try:
-        _inet_up()
-        w = World(tmp)
+        inet = Internet(tmp, "aes-inet", "aes-i", INET_HOST_IP, INET_IP)
+        w = World(tmp, inet)
         yield w
     finally:
         if w is not None:
             w.close()
-        _inet_down()
+        if inet is not None:
+            inet.close()
         host.remove_table(addressing)
     leftovers = [n for n in ns.list_names() if n.startswith(PREFIX + "-")]
     assert not leftovers, leftovers
