@@ -57,7 +57,7 @@ import os
 import shutil
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +79,7 @@ from .base import (
     Runtime,
     SnapshotError,
     SnapshotInfo,
+    VMError,
     VMExitedError,
     VMLimits,
     VMSpec,
@@ -199,6 +200,46 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=1))
     os.replace(tmp, path)
+
+
+@dataclass
+class FirecrackerPrestarted:
+    """A restore's Firecracker up to its snapshot load (``FirecrackerRuntime.prestart``):
+    spawned (jailed) in its slot's netns, API socket answering, drives and memory in
+    place; ``load`` is the ``PUT /snapshot/load`` that ``activate`` sends."""
+
+    vm: FirecrackerVM
+    load: fc.Request
+    snapshot_dir: Path
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def vm_id(self) -> str:
+        return self.vm.vm_id
+
+    @property
+    def workdir(self) -> Path:
+        return self.vm.workdir
+
+    def is_alive(self) -> bool:
+        return self.vm.is_alive()
+
+
+def _restore_error(e: BaseException, snapshot_dir: Path, vm_id: str) -> BaseException:
+    """What a failed restore step raises: ``SnapshotError`` (the cause chained), or the
+    error itself when it is none of the VMM's (a cancellation)."""
+    if isinstance(e, SnapshotError):
+        return e
+    if isinstance(e, BootError):
+        err = SnapshotError(f"restore of {snapshot_dir} failed: {e.args[0]}", vm_id=vm_id,
+                            vmm_log_tail=e.vmm_log_tail)
+        err.__cause__ = e.__cause__ or e
+        return err
+    if isinstance(e, (OSError, snapshots.SnapshotFilesError, VMError)):
+        err = SnapshotError(f"restore of {snapshot_dir} failed: {e}", vm_id=vm_id)
+        err.__cause__ = e
+        return err
+    return e
 
 
 class FirecrackerVM(VM):
@@ -636,7 +677,16 @@ class FirecrackerRuntime(Runtime):
     async def restore(self, snapshot_dir: Path, overrides: RestoreOverrides) -> FirecrackerVM:
         """Start a new Firecracker from ``snapshot_dir`` in the new ``overrides.workdir``;
         returns with the VM running. Any failure is a ``SnapshotError`` (the cause chained),
-        with no process left behind."""
+        with no process left behind. It is ``prestart`` then ``activate``: a pool of
+        pre-started VMMs (``aenv.runtime.vmm_pool``) runs the first ahead of demand."""
+        return await self.activate(await self.prestart(snapshot_dir, overrides))
+
+    async def prestart(self, snapshot_dir: Path,
+                       overrides: RestoreOverrides) -> FirecrackerPrestarted:
+        """Everything of a restore before ``PUT /snapshot/load``: the working directory
+        and drives, the jail, Firecracker spawned in ``overrides.netns`` with its API socket
+        answering and its logger/serial set. ``activate`` sends the load; ``discard`` ends
+        a VMM that will not be used. Any failure is a ``SnapshotError``, no process left."""
         vm_id, workdir = overrides.vm_id, overrides.workdir
         t = PhaseTimer()
         try:
@@ -671,27 +721,42 @@ class FirecrackerRuntime(Runtime):
                 await asyncio.to_thread(launch.jail.release)
                 raise
             t.mark("files")
-            requests = [
-                *self._observability(),
-                fc.load_snapshot(*paths, track_dirty_pages=machine.track_dirty_pages,
-                                 resume_vm=True, network_overrides=overrides_net),
-            ]
-            vm, _ = await self._start(vm_id, workdir, launch, machine, requests,
-                                      restored_from=snapshot_dir, last_timeout=LOAD_TIMEOUT)
-            t.mark("loaded")
-        except SnapshotError:
-            raise
-        except BootError as e:
-            raise SnapshotError(f"restore of {snapshot_dir} failed: {e.args[0]}", vm_id=vm_id,
-                                vmm_log_tail=e.vmm_log_tail) from (e.__cause__ or e)
-        except (OSError, snapshots.SnapshotFilesError) as e:
-            raise SnapshotError(f"restore of {snapshot_dir} failed: {e}", vm_id=vm_id) from e
-        vm.boot_timings.update(t.phases)
-        total = t.elapsed()
-        log.info("restored %s from %s in %.0f ms (files %.0f ms, pid %d)", vm_id, snapshot_dir,
-                 total * 1000, t.phases["files"] * 1000, vm.pid,
-                 extra={"vm_id": vm_id, "op": "restore", "duration": total})
+            load = fc.load_snapshot(*paths, track_dirty_pages=machine.track_dirty_pages,
+                                    resume_vm=True, network_overrides=overrides_net)
+            vm, _ = await self._start(vm_id, workdir, launch, machine, self._observability(),
+                                      restored_from=snapshot_dir)
+            t.mark("vmm")  # spawned, API answering, logger and serial set
+        except BaseException as e:
+            raise _restore_error(e, snapshot_dir, vm_id)  # noqa: B904 (chained by hand)
+        return FirecrackerPrestarted(vm=vm, load=load, snapshot_dir=snapshot_dir,
+                                     timings=dict(t.phases))
+
+    async def activate(self, pre: FirecrackerPrestarted) -> FirecrackerVM:
+        """``PUT /snapshot/load`` (with ``resume_vm``) into a pre-started Firecracker: the
+        part of a restore that cannot be done ahead. On ``SnapshotError`` no process is
+        left."""
+        vm, t = pre.vm, PhaseTimer()
+        try:
+            await vm._call(pre.load, timeout=LOAD_TIMEOUT)
+        except BaseException as e:
+            error = await self._failed(vm, e, "loading the snapshot failed")
+            if error is not e:
+                error.__cause__ = e
+            raise _restore_error(error, pre.snapshot_dir, vm.vm_id)  # noqa: B904
+        t.mark("loaded")
+        vm.boot_timings.update({**pre.timings, "activate": t.phases["loaded"],
+                                "loaded": t.phases["loaded"]})
+        total = sum(pre.timings.values()) + t.phases["loaded"]
+        log.info("restored %s from %s in %.0f ms (files %.0f ms, load %.0f ms, pid %d)",
+                 vm.vm_id, pre.snapshot_dir, total * 1000, pre.timings["files"] * 1000,
+                 t.phases["loaded"] * 1000, vm.pid,
+                 extra={"vm_id": vm.vm_id, "op": "restore", "duration": total})
         return vm
+
+    async def discard(self, pre: FirecrackerPrestarted) -> None:
+        """End a pre-started Firecracker that will not load its snapshot; its working
+        directory stays (``workdir.remove``)."""
+        await self._failed(pre.vm, VMError("discarded"), "discarded")
 
     @staticmethod
     def _prepare_restore(manifest: snapshots.Manifest, snapshot_dir: Path,

@@ -647,3 +647,78 @@ def test_doctor_says_the_binary_is_missing(tmp_path, monkeypatch) -> None:
 
 def test_get_runtime_returns_the_firecracker_driver() -> None:
     assert get_runtime("firecracker").name == "firecracker"
+
+
+# -- pre-started VMMs (aenv.runtime.vmm_pool) -------------------------------------------------
+
+
+async def test_a_prestarted_firecracker_waits_with_its_api_up_and_activate_only_loads(
+        tmp_path, fake, host_files, vms) -> None:
+    """What the VMM pool relies on, as far as the fake can show it: ``prestart`` spawns
+    Firecracker, its API socket answers and its serial is set, and no snapshot is loaded;
+    ``activate`` sends ``PUT /snapshot/load`` alone; ``discard`` leaves no process. It
+    proves the request sequence, not that a guest resumes (no Firecracker binary here)."""
+    vm = await boot(runtime(), make_spec(tmp_path, host_files), vms)
+    snap = tmp_path / "snaps" / "s1"
+    await vm.snapshot(snap, stop=True)
+    rt = runtime()
+    pre = await rt.prestart(snap, RestoreOverrides("p1", tmp_path / "vms" / "p1", tap="tap7"))
+    assert pre.is_alive() and pre.workdir == tmp_path / "vms" / "p1"
+    assert [r[:2] for r in checked(fake, pre.vm.pid)] == [("GET", "/version"),
+                                                         ("PUT", "/serial")]
+    clone = await rt.activate(pre)
+    vms.append(clone)
+    requests = checked(fake, clone.pid)
+    assert [r[:2] for r in requests][2:] == [("PUT", "/snapshot/load")]
+    assert requests[-1][2]["resume_vm"] is True
+    assert requests[-1][2]["network_overrides"] == [{"iface_id": "eth0",
+                                                     "host_dev_name": "tap7"}]
+    assert await clone.status() == "Running" and "activate" in clone.boot_timings
+    unused = await rt.prestart(snap, RestoreOverrides("p2", tmp_path / "vms" / "p2"))
+    pid = unused.vm.pid
+    await rt.discard(unused)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert ("PUT", "/snapshot/load") not in [r[:2] for r in fake.requests(pid)]
+
+
+async def test_the_vmm_pool_hands_out_prestarted_firecrackers(tmp_path, fake, host_files,
+                                                              vms) -> None:
+    """``VMMPool`` over the Firecracker driver (the fake): a take returns a VMM that only
+    needs its load; one killed with SIGKILL is discarded; close ends the rest."""
+    from aenv.runtime.vmm_pool import VMMPool
+
+    class Lease:
+        netns = None
+
+    released: list[object] = []
+
+    async def acquire() -> Lease:
+        return Lease()
+
+    async def release(lease: object) -> None:
+        released.append(lease)
+
+    vm = await boot(runtime(), make_spec(tmp_path, host_files), vms)
+    snap = tmp_path / "snaps" / "s1"
+    await vm.snapshot(snap, stop=True)
+    rt = runtime()
+    pool = VMMPool(rt, tmp_path / "vms", size=2, memory_mb=4 * MEM_MIB,  # type: ignore[arg-type]
+                   acquire=acquire, release=release, busy=lambda: False)
+    try:
+        first = await pool.fill_one(snap)
+        second = await pool.fill_one(snap)
+        os.kill(first.pre.vm.pid, signal.SIGKILL)
+        await first.pre.vm.wait()
+        taken = await pool.take(snap)
+        assert taken is second and pool.stats["dead"] == 1
+        clone = await rt.activate(taken.pre)
+        vms.append(clone)
+        assert await clone.status() == "Running"
+        assert not first.workdir.exists() and len(released) == 1
+        third = await pool.fill_one(snap)
+    finally:
+        await pool.close()
+    with pytest.raises(ProcessLookupError):
+        os.kill(third.pre.vm.pid, 0)
+    assert len(released) == 2
