@@ -175,7 +175,7 @@ class Server:
         a VM or ``drain_timeout`` passes (``aenv.cluster.drain``)."""
         if self.cluster is None:
             return
-        await self.cluster.drain()
+        await self.cluster.drain(stopping=True)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.drain_timeout
         while (running := sum(r.state in VM_STATES for r in self.sandboxes.live())):

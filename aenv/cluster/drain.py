@@ -12,7 +12,11 @@ Two ways in:
   answers at once; ``aenv-drain`` (the Kubernetes preStop) calls it, then waits for the
   running sandboxes to end before the kubelet sends SIGTERM.
 
-A draining node stays draining until it stops; a new process starts ``ready``.
+The way back, for an operator who drained a node to look at it (as AgentENV lifts its
+no-schedule label): ``POST /node/ready`` on the node, or through a gateway E2B's admin
+call ``POST /nodes/{id}`` with ``{"status": "ready"}`` (``"draining"`` drains). A node
+draining because of a SIGTERM stops anyway: ``ready`` answers 409 then. A new process
+starts ``ready``.
 """
 
 from __future__ import annotations
@@ -25,12 +29,14 @@ from types import FrameType
 
 import uvicorn
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 
 from .node_agent import NodeAgent
 
 log = logging.getLogger("aenv.cluster")
 
 DRAIN_PATH = "/node/drain"
+READY_PATH = "/node/ready"
 
 
 class DrainingServer(uvicorn.Server):
@@ -67,12 +73,20 @@ class DrainingServer(uvicorn.Server):
 
 
 def drain_router(agent: NodeAgent) -> APIRouter:
-    """``POST /node/drain``: the node goes draining (behind the API's key check)."""
+    """``POST /node/drain`` and ``POST /node/ready`` (behind the API's key check)."""
     router = APIRouter()
 
     @router.post(DRAIN_PATH)
     async def drain(_: Request) -> dict[str, object]:
         published = await agent.drain()
         return {"nodeID": agent.record.node_id, "status": "draining", "published": published}
+
+    @router.post(READY_PATH, response_model=None)
+    async def ready(_: Request) -> dict[str, object] | JSONResponse:
+        try:
+            published = await agent.ready()
+        except RuntimeError as e:
+            return JSONResponse({"code": 409, "message": str(e)}, status_code=409)
+        return {"nodeID": agent.record.node_id, "status": "ready", "published": published}
 
     return router

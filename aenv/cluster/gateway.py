@@ -28,7 +28,8 @@ One listener, as a node has (``aenv.proxy.front.Front`` decides per request):
   which every node applies to its own list. Nodes that do not answer are left out and
   named in ``x-aenv-unreachable-nodes``. ``/sandboxes/{id}/...`` (and
   ``/v2/sandboxes/{id}/connect``) goes to the sandbox's node. ``GET /nodes`` and
-  ``GET /nodes/{id}`` report the registry.
+  ``GET /nodes/{id}`` report the registry; ``POST /nodes/{id}`` with ``{"status":
+  "ready"|"draining"}`` (E2B's admin call) drains a node or takes it back.
 - Templates: a build request (``POST /v3/templates``) goes to a ready node with room,
   and the template's id and aliases are routed to that node from then on (Redis
   ``templates``): its files, build, status and tag calls go there (to the first node that
@@ -266,6 +267,9 @@ class Gateway:
             if node is None:
                 return Reply.error(404, f"node '{m.group(1)}' not found")
             return Reply.json(200, node_view(node))
+        if (m := _NODE.match(path)) and method == "POST":
+            body = await _body(receive)
+            return await self._set_status(m.group(1), body or b"")
         if method == "PUT" and (m := _UPLOAD.match(path)):
             return await self._upload(scope, receive, m.group(1))
         body = await _body(receive)
@@ -337,6 +341,29 @@ class Gateway:
                 await self.registry.add_template_node(template, nid)
             return reply
         return last or Reply.error(503, "no node of the cluster answered the create")
+
+    async def _set_status(self, node_id: str, body: bytes) -> Reply:
+        """E2B's ``POST /nodes/{id}`` ``{"status": "ready"|"draining"}``: the node's own
+        ``/node/ready`` or ``/node/drain`` (``aenv.cluster.drain``)."""
+        status = _field(body, "status")
+        if status not in ("ready", "draining"):
+            return Reply.error(400, 'body must be {"status": "ready"} or {"status": "draining"}')
+        node = await self.registry.node(node_id)
+        if node is None:
+            return Reply.error(404, f"node '{node_id}' not found")
+        if not node.alive:
+            return Reply.error(409, f"node '{node_id}' is unhealthy (no heartbeat): its "
+                               "status cannot change")
+        path = "/node/ready" if status == "ready" else "/node/drain"
+        request = self.http.build_request("POST", node.record.url + path,
+                                          headers=[(SECRET_HEADER, self.secret)])
+        try:
+            reply = await self._call(request, LIST_TIMEOUT_S)
+        except httpx.HTTPError as e:
+            return Reply.error(502, f"node '{node_id}' did not answer: {e}")
+        if reply.status >= 300:
+            return reply
+        return Reply.json(200, node_view(await self.registry.node(node_id) or node))
 
     # -- templates and snapshots
 

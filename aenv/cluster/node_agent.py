@@ -15,7 +15,8 @@ sandboxes starting) in its record. It publishes:
 
 Redis being down never fails a request or the node: errors are logged (once per outage)
 and the next heartbeat tries again. ``drain`` marks the node ``draining`` (kept in every
-later publish): gateways send it no new creates, its sandboxes stay routed.
+later publish until ``ready``): gateways send it no new creates, its sandboxes stay
+routed.
 ``close`` takes the node out of scheduling and routing at once.
 """
 
@@ -54,6 +55,7 @@ class NodeAgent:
         self._published: tuple[frozenset[IndexEntry], Usage] | None = None
         self._task: asyncio.Task[None] | None = None
         self._failing = False
+        self.stopping = False
 
     @property
     def interval(self) -> float:
@@ -79,12 +81,24 @@ class NodeAgent:
     def draining(self) -> bool:
         return self.record.draining
 
-    async def drain(self) -> bool:
+    async def drain(self, *, stopping: bool = False) -> bool:
         """Draining from now on (a SIGTERM, a preStop): published at once; False if Redis
-        failed (the next heartbeat publishes it)."""
+        failed (the next heartbeat publishes it). ``stopping``: the node stops once
+        drained (SIGTERM), and no ``ready`` takes that back."""
+        self.stopping = self.stopping or stopping
         if not self.record.draining:
             log.info("cluster: node %s draining: no new creates", self.record.node_id)
             self.record = replace(self.record, draining=True)
+        return await self.sync()
+
+    async def ready(self) -> bool:
+        """Take new creates again after a ``drain`` (an operator's un-drain); published at
+        once. Not while the node is stopping."""
+        if self.stopping:
+            raise RuntimeError("the node is stopping (SIGTERM): it drains until it stops")
+        if self.record.draining:
+            log.info("cluster: node %s ready again: takes new creates", self.record.node_id)
+            self.record = replace(self.record, draining=False)
         return await self.sync()
 
     async def sync(self, *, force: bool = True) -> bool:

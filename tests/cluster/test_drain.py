@@ -156,6 +156,42 @@ def test_aenv_drain_marks_the_node_draining_and_waits_for_its_sandboxes(
         assert c.post("/sandboxes", json={"templateID": "base"}).status_code == 503
 
 
+@pytest.mark.slow  # several seconds of waiting: left out of make test-fast
+def test_a_drained_node_is_taken_back_through_the_gateway_unless_it_is_stopping(
+        fresh_db: RedisServer, tmp_path: Path) -> None:
+    """E2B's admin call ``POST /nodes/{id}`` ``{"status": ...}`` drains a node and makes
+    it ready again (the node's ``/node/drain`` and ``/node/ready``); a node draining for a
+    SIGTERM refuses to be made ready."""
+    with nodes(fresh_db, tmp_path, "u1", "u2") as n, \
+            gateway(fresh_db, tmp_path / "gw") as url, api(url) as c:
+        r = c.post("/nodes/u1", json={"status": "draining"})
+        assert r.status_code == 200 and r.json()["status"] == "draining", r.text
+        assert statuses(c) == {"u1": "draining", "u2": "ready"}
+        made = [create(c) for _ in range(2)]
+        assert all(_holds(n["u2"], s) for s in made)
+        r = c.post("/nodes/u1", json={"status": "ready"})
+        assert r.status_code == 200 and r.json()["status"] == "ready", r.text
+        assert statuses(c) == {"u1": "ready", "u2": "ready"}
+        back = create(c)                  # u1 is the emptier one again
+        assert _holds(n["u1"], back)
+        # the node's own call, with its key; bad requests through the gateway
+        r = httpx.post(n["u2"].url + "/node/ready", headers={"X-API-KEY": n["u2"].api_key})
+        assert r.status_code == 200 and r.json() == {"nodeID": "u2", "status": "ready",
+                                                     "published": True}
+        assert httpx.post(n["u2"].url + "/node/ready").status_code == 401
+        assert c.post("/nodes/u1", json={"status": "gone"}).status_code == 400
+        assert c.post("/nodes/zz", json={"status": "ready"}).status_code == 404
+        assert httpx.post(url + "/nodes/u1", json={"status": "ready"}).status_code == 401
+        # SIGTERM: draining until it stops, whatever an operator says
+        n["u1"].signal(signal.SIGTERM)
+        wait_for("draining", lambda: statuses(c)["u1"] == "draining", 2)
+        r = c.post("/nodes/u1", json={"status": "ready"})
+        assert r.status_code == 409 and "stopping" in r.json()["message"], r.text
+        assert statuses(c)["u1"] == "draining"
+        for s in [*made, back]:
+            assert c.delete(f"/sandboxes/{s}").status_code == 204
+
+
 def _holds(node: IdleNode, sandbox_id: str) -> bool:
     """Whether ``node`` itself lists ``sandbox_id`` (asked directly, with its own key)."""
     r = httpx.get(node.url + "/v2/sandboxes", headers={"X-API-KEY": node.api_key},
