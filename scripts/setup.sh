@@ -20,6 +20,8 @@ APT_PACKAGES=(
   libelf-dev
   lz4
   make
+  nfs-ganesha      # volumes: a userspace NFS server per sandbox (aenv/storage/volume_server.py)
+  nfs-ganesha-vfs  # its VFS backend (exports a host directory)
   nftables
   procps
   qemu-system-x86

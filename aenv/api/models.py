@@ -30,6 +30,11 @@ class NetworkConfig(_Body):
     httpsPorts: list[int] | None = None
 
 
+class VolumeMount(_Body):
+    name: str = Field(min_length=1, max_length=128)
+    path: str = Field(min_length=1, max_length=4096)
+
+
 class NewSandbox(_Body):
     """Both generations: v2 ``POST /v2/sandboxes`` and v1 ``POST /sandboxes`` (+ ``secure``)."""
 
@@ -43,6 +48,7 @@ class NewSandbox(_Body):
     metadata: dict[str, str] | None = None
     envVars: dict[str, str] | None = None
     secure: bool | None = None
+    volumeMounts: list[VolumeMount] | None = None
     # aenv extensions (AgentENV's cold-start knobs): override the template's size.
     cpuCount: int | None = Field(default=None, ge=1, le=64)
     memoryMB: int | None = Field(default=None, ge=64, le=262144)

@@ -55,6 +55,7 @@ async def _create(request: Request, body: NewSandbox, idem: str | None, v1: bool
         memory_mb=body.memoryMB,
         idempotency_key=idem,
         client_gone=request.is_disconnected,
+        volume_mounts=_volume_mounts(request, body),
     )
     timings: dict[str, float] = {}
     t_handler = time.perf_counter()
@@ -64,6 +65,18 @@ async def _create(request: Request, body: NewSandbox, idem: str | None, v1: bool
         timings = {"api": t_handler - received + (time.perf_counter() - t_handler
                                                   - sum(timings.values())), **timings}
     return views.timed_json(views.sandbox(rec, domain(request)), 201, timings)
+
+
+def _volume_mounts(request: Request, body: NewSandbox) -> list[dict[str, str]] | None:
+    """``volumeMounts`` by volume name, resolved (unknown name: 400)."""
+    if not body.volumeMounts:
+        return None
+    service = request.app.state.volumes
+    if service is None:
+        raise ApiError(400, "volumes are not enabled on this server")
+    mounts: list[dict[str, str]] = service.resolve_mounts(
+        [m.model_dump() for m in body.volumeMounts])
+    return mounts
 
 
 @router.post("/v2/sandboxes")

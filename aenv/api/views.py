@@ -81,6 +81,8 @@ def listed(rec: SandboxRecord) -> dict[str, Any]:
         "state": api_state(rec),
         "envdVersion": ENVD_VERSION,
         "metadata": rec.metadata,
+        "volumeMounts": [{"name": m["name"], "path": m["path"]}
+                         for m in rec.volume_mounts or ()],
     }
     if rec.alias:
         out["alias"] = rec.alias

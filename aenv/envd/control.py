@@ -1,11 +1,13 @@
 """envd's control routes: ``/health``, ``/init``, ``/envs``, ``/metrics``.
 
 ``/init`` is how the host hands a (re)started or resumed guest its identity: access token,
-sandbox-wide environment, default user and workdir, and the host's clock.
+sandbox-wide environment, default user and workdir, the host's clock, and the volumes to
+mount (``mounts``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from starlette.requests import Request
@@ -16,6 +18,8 @@ from .auth import UNAUTHORIZED
 from .errors import json_error
 from .guest import GuestHooks
 from .metrics import MetricsSampler
+from .mounts import MountError, mount_all
+from .mounts import parse as parse_mounts
 from .state import ENVD_VERSION, EnvdState
 
 
@@ -43,6 +47,12 @@ def routes(state: EnvdState, hooks: GuestHooks) -> list[Route]:
         for key in ("accessToken", "defaultUser", "defaultWorkdir", "timestamp"):
             if body.get(key) is not None and not isinstance(body[key], str):
                 return json_error(400, f"{key} must be a string")
+        mounts = None
+        if body.get("volumeMounts") is not None:
+            try:
+                mounts = parse_mounts(body["volumeMounts"])
+            except MountError as e:
+                return json_error(400, str(e))
 
         if "accessToken" in body:
             state.access_token = body["accessToken"] or None
@@ -58,6 +68,11 @@ def routes(state: EnvdState, hooks: GuestHooks) -> list[Route]:
             hooks.reseed(body["entropy"])
         if isinstance(body.get("caBundle"), str) and body["caBundle"]:
             hooks.trust_ca(body["caBundle"])  # the node's egress CA (aenv.egress.ca)
+        if mounts and hooks.enabled:  # only a guest's envd mounts (volumes, mounts.py)
+            try:
+                await asyncio.to_thread(mount_all, mounts)
+            except (MountError, OSError) as e:
+                return json_error(500, f"volume mount failed: {e}")
         return Response(status_code=204, headers={"X-Envd-Version": ENVD_VERSION})
 
     async def envs(_: Request) -> Response:

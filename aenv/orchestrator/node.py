@@ -28,6 +28,7 @@ from ..config import Settings
 from ..envd import ENVD_PORT
 from ..guest.bootargs import ToolsBoot, guest_boot_args
 from ..network import EgressPolicy, NetworkSlot, SlotPool, cleanup_leftovers
+from ..network.guest_link import TAP_IP
 from ..network.policy import header_rules
 from ..runtime import (
     VM,
@@ -44,7 +45,7 @@ from ..runtime import (
 from ..runtime import workdir as wd
 from ..runtime.ready import boot_until_ready
 from ..runtime.vmm_pool import Pooled, VMMPool
-from ..storage import disk_layers, disks, shared_store, snapshot_store
+from ..storage import disk_layers, disks, shared_store, snapshot_store, volume_server
 from ..storage.disks import Disk, create_disk
 from ..storage.errors import ImageError, StorageError
 from ..storage.image_ref import ImageRef
@@ -170,6 +171,7 @@ class NodeMachines:
         report = await asyncio.to_thread(cleanup_leftovers, self.settings, keep_slots)
         if report:
             log.info("removed leftovers of a previous run: %s", report.summary())
+        await asyncio.to_thread(volume_server.sweep, self.settings)  # slots gone: theirs too
         for d in self.settings.vms_dir.glob("*") if self.settings.vms_dir.is_dir() else ():
             if d.name not in keep_vms:
                 wd.remove(d)
@@ -270,6 +272,39 @@ class NodeMachines:
             return False
 
     async def start(self, rec: SandboxRecord, template: TemplateRecord) -> Placement:
+        placement = await self._start_vm(rec, template)
+        if rec.volume_mounts:
+            await self._mount_volumes(rec, template, placement)
+        return placement
+
+    async def _mount_volumes(self, rec: SandboxRecord, template: TemplateRecord,
+                             placement: Placement) -> None:
+        """Serve ``rec``'s volumes in its slot's namespace and have envd mount them (a
+        restored guest has them mounted already: its NFS client reconnects to this
+        server). Any failure ends the sandbox's VM (``aenv.storage.volume_server``)."""
+        t0 = time.perf_counter()
+        mounts = rec.volume_mounts or []
+        try:
+            running = self._running[rec.id]
+            await asyncio.to_thread(volume_server.start, self.settings, running.slot.netns,
+                                    sorted({m["volumeID"] for m in mounts}))
+            envd = EnvdClient(f"http://{placement.host_ip}:{ENVD_PORT}")
+            try:
+                await envd.init(
+                    access_token=rec.envd_token, env_vars=rec.env_vars,
+                    default_user=template.user or "user", default_workdir=template.workdir,
+                    current_token=rec.envd_token, timeout=60.0,
+                    volume_mounts=[{"name": m["name"], "path": m["path"], "nfsTarget":
+                                    f"{TAP_IP}:{volume_server.export_path(m['volumeID'])}"}
+                                   for m in mounts])
+            finally:
+                await envd.aclose()
+        except BaseException:
+            await self.stop(rec)
+            raise
+        placement.phases["volumes"] = time.perf_counter() - t0
+
+    async def _start_vm(self, rec: SandboxRecord, template: TemplateRecord) -> Placement:
         image = ImageRef.parse(template.image)
         # The pools' fillers keep their CPU off the host while guests come up.
         self._starts += 1
@@ -478,6 +513,7 @@ class NodeMachines:
 
     def _release(self, slot: NetworkSlot) -> None:
         try:
+            volume_server.stop(self.settings, slot.netns)
             self.pool.release(slot)
         except Exception:
             log.exception("slot %d: release failed", slot.index)

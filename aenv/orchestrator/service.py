@@ -98,6 +98,8 @@ class CreateOptions:
     memory_mb: int | None = None
     idempotency_key: str | None = None
     client_id: str = "aenv"
+    # [{name, path, volumeID}], resolved by ``volumes.Volumes.resolve_mounts``.
+    volume_mounts: list[dict[str, str]] | None = None
     # Whether the client went away (the API's ``Request.is_disconnected``): a create that
     # waits in the start queue leaves it then.
     client_gone: Callable[[], Awaitable[bool]] | None = None
@@ -249,6 +251,7 @@ class Orchestrator:
             allow_internet=opts.allow_internet,
             network=opts.network,
             idempotency_key=opts.idempotency_key,
+            volume_mounts=opts.volume_mounts or None,
         )
 
     async def _start(self, rec: SandboxRecord, tpl: TemplateRecord,
@@ -367,7 +370,8 @@ class Orchestrator:
                 env_vars=src.env_vars, secure=src.secure, auto_pause=src.auto_pause,
                 auto_pause_memory=src.auto_pause_memory, auto_resume=src.auto_resume,
                 allow_internet=src.allow_internet, network=src.network,
-                cpu_count=src.cpu_count, memory_mb=src.memory_mb, client_id=src.client_id))
+                cpu_count=src.cpu_count, memory_mb=src.memory_mb, client_id=src.client_id,
+                volume_mounts=src.volume_mounts))  # the volumes themselves, not copies
             self.sandboxes.insert(child)
             children.append(child)
         timer.skip()  # the children's records are no phase
