@@ -428,7 +428,7 @@ class QemuRuntime(Runtime):
     async def restore(self, snapshot_dir: Path, overrides: RestoreOverrides) -> QemuVM:
         """Spawn QEMU with the snapshot's machine shape waiting for an incoming migration,
         write the memory diff into its RAM, load the device state from an inherited fd
-        (``migrate-incoming fd:N``), wait until it is loaded (paused), start the vCPUs.
+        (``migrate-incoming fd:N``); the vCPUs start once it is loaded (autostart).
         ``boot_timings``: ``qmp_ready``, ``state_loaded``, ``memory_applied``, ``running``
         (seconds after spawn) and ``prepare`` (seconds before it: disks, links). It is
         ``prestart`` then ``activate``: a pool of pre-started VMMs
@@ -439,9 +439,9 @@ class QemuRuntime(Runtime):
         """Everything of a restore up to the device state: the working directory, the
         confinement, QEMU spawned in ``overrides.netns`` with the snapshot's base memory
         mapped copy-on-write and its drives open, the diff layers written into its RAM,
-        QMP connected. The VMM then waits (``-incoming defer``, ``-S``) for ``activate``;
-        ``discard`` ends one that is not wanted. On ``SnapshotError`` no VMM is left; the
-        working directory is."""
+        QMP connected, autostart set. The VMM then waits (``-incoming defer``) for
+        ``activate``; ``discard`` ends one that is not wanted. On ``SnapshotError`` no VMM
+        is left; the working directory is."""
         binary = self._binary or qemu_binary()
         if binary is None:
             raise SnapshotError(f"{qemu_args.QEMU_BINARY} is not installed",
@@ -481,6 +481,9 @@ class QemuRuntime(Runtime):
             await joined
             await asyncio.to_thread(qemu_snapshot.apply_memory, process.pid, plan)
             timings["memory_applied"] = time.monotonic() - t0
+            # While a migration is awaited, ``cont`` only sets QEMU's autostart: the vCPUs
+            # then start as soon as the device state is loaded, with no round trip between.
+            await qmp.execute("cont")
         except BaseException as e:
             process.kill_now()
             with contextlib.suppress(BaseException):
@@ -509,11 +512,10 @@ class QemuRuntime(Runtime):
                     raise SnapshotError(f"device state did not load in {QMP_TIMEOUT}s",
                                         vm_id=spec.vm_id)
                 await asyncio.sleep(0.001)
-            if status != "paused":
+            if status != "running":  # autostart (prestart's ``cont``) runs it when loaded
                 raise SnapshotError(f"VMM came up {status} after loading", vm_id=spec.vm_id)
-            timings["state_loaded"] = time.monotonic() - t0
-            await qmp.execute("cont")
             now = time.monotonic()
+            timings["state_loaded"] = now - t0
             timings["running"] = now - t0
             timings["activate"] = now - t_act
         except BaseException as e:
