@@ -126,22 +126,39 @@ def _overlay_key(resolved: Path, base_format: str) -> str:
     return key.hexdigest()[:32]
 
 
+_overlay_locks: dict[Path, threading.Lock] = {}
+_overlay_locks_guard = threading.Lock()
+
+
 def _pristine_overlay(base: Path, base_format: str, cache_root: Path) -> Path:
     """An empty qcow2 overlay of ``base``, made once with ``qemu-img`` and then copied for
     each sandbox: every overlay of one base is byte-identical, and copying 200 KiB takes
-    0.1 ms where spawning qemu-img takes 6-20 ms on the create path."""
+    0.1 ms where spawning qemu-img takes 6-20 ms on the create path. Callers asking for
+    the same overlay at once (a fork's children, all over its new capture) wait for the
+    one that makes it instead of each running qemu-img."""
     resolved = base.resolve()
     cached = cache_root / OVERLAY_CACHE / f"{_overlay_key(resolved, base_format)}.qcow2"
     if cached.exists():
         return cached
-    qemu_img = shutil.which("qemu-img")
-    if qemu_img is None:
-        raise DiskError("qemu-img is missing (apt-get install qemu-utils)")
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_suffix(f".tmp-{os.getpid()}-{threading.get_ident()}")
-    run([qemu_img, "create", "-q", "-f", "qcow2", "-b", resolved, "-F", base_format, tmp])
-    os.replace(tmp, cached)
-    return cached
+    with _overlay_locks_guard:
+        lock = _overlay_locks.setdefault(cached, threading.Lock())
+    try:
+        with lock:
+            if cached.exists():
+                return cached
+            qemu_img = shutil.which("qemu-img")
+            if qemu_img is None:
+                raise DiskError("qemu-img is missing (apt-get install qemu-utils)")
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cached.with_suffix(f".tmp-{os.getpid()}-{threading.get_ident()}")
+            run([qemu_img, "create", "-q", "-f", "qcow2", "-b", resolved, "-F", base_format,
+                 tmp])
+            os.replace(tmp, cached)
+            return cached
+    finally:
+        with _overlay_locks_guard:
+            if not lock.locked():
+                _overlay_locks.pop(cached, None)
 
 
 OVERLAY_CACHE = ".overlays"
