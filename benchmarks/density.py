@@ -1,0 +1,247 @@
+"""What an idle sandbox costs the host: memory (PSS) and CPU per sandbox, N at once.
+
+Run as root: ``.venv/bin/python benchmarks/density.py [--n 30] [--window 20] [--settle 10]``
+
+Method: starts ``aenv server`` in a child process (``benchmarks/_server.py``: its own home,
+name prefix and address ranges, 10.<--net>.0/24, default 133; the host's kernel and image
+cache; base kept as a snapshot, so each create is a restore) with room for ``--n``
+sandboxes, creates ``--n`` sandboxes from ``base`` through the E2B SDK (``AsyncSandbox``,
+``--batch`` at a time), lets them settle ``--settle`` seconds, and then, with nothing asked
+of them:
+
+- ``pss_mib``: per sandbox VMM process (found by its working directory under the server's
+  VM directory), ``Pss`` from ``/proc/PID/smaps_rollup``: its share of the pages it maps,
+  pages shared with other VMMs (the template's memory file in the page cache, QEMU's own
+  code) split between them; the sum over all VMMs is what the host spends on them.
+  ``anonymous_mib``: the private part, split into ``guest_ram_written`` (guest pages
+  copied on write since the restore, in the VMM's mapping of the template's memory file)
+  and ``vmm_own`` (TCG's translation cache, QEMU's heap and device buffers).
+- ``cpu_ms_per_s``: host CPU time (``utime + stime`` of ``/proc/PID/stat``, every thread of
+  the VMM) over ``--window`` seconds, per second of wall time, per sandbox; ``server`` is
+  the aenv server's own (TTL loop, proxy, metrics) over the same window; ``host_busy_pct``
+  the whole host's, which includes other sessions' work.
+- ``answers``: afterwards, one by one, ``commands.run("true")`` in each sandbox; how many
+  answered within 2 s, and their latency.
+
+VMMs under the VM directory that no sandbox holds (e.g. pre-started VMMs waiting in a pool)
+are reported apart (``other_vmms``). Output: one JSON object; ``goals``: issue 21's
+per-idle-sandbox targets (<= 40 MiB PSS, <= 5 ms/s CPU). The host has 2 shared cores,
+guests run under TCG, and other sessions' VMs may run at the same time (``host_busy_pct``,
+``load_avg``): compare runs, not single numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from aenv.config import Settings
+from benchmarks._common import emit, summary
+from benchmarks._server import VMServer, leftovers, log
+
+GOAL_PSS_MIB = 40.0
+GOAL_CPU_MS_PER_S = 5.0
+ANSWER_WITHIN_S = 2.0
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def vmm_pids(vms_dir: Path) -> dict[int, str]:
+    """pid -> name of the directory under ``vms_dir`` that is the process's cwd."""
+    out = {}
+    root = str(vms_dir) + "/"
+    for e in os.scandir("/proc"):
+        if not e.name.isdigit():
+            continue
+        try:
+            cwd = os.readlink(f"/proc/{e.name}/cwd")
+            comm = Path(f"/proc/{e.name}/comm").read_text().strip()
+        except OSError:
+            continue
+        if cwd.startswith(root) and comm.startswith("qemu"):
+            out[int(e.name)] = cwd[len(root):].split("/")[0]
+    return out
+
+
+def rollup_kib(pid: int) -> dict[str, int]:
+    kb: dict[str, int] = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) == 3 and parts[2] == "kB":
+                kb[parts[0].rstrip(":")] = int(parts[1])
+    return kb
+
+
+def guest_written_kib(pid: int) -> int:
+    """Anonymous (copied-on-write) KiB inside the VMM's file mappings of 64 MiB or more: the
+    guest RAM pages written since the restore. The rest of its anonymous memory is QEMU's
+    own (TCG's translation cache, heap, device buffers)."""
+    total, in_file, size = 0, False, 0
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and not head[0].endswith(":"):
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                size = hi - lo
+                in_file = len(head) >= 6 and head[5].startswith("/")
+            elif head[0] == "Anonymous:" and in_file and size >= 64 << 20:
+                total += int(head[1])
+    return total
+
+
+def cpu_ticks(pid: int) -> int:
+    """utime + stime of every thread of ``pid`` (clock ticks)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # fields 14 and 15 of stat(5)
+
+
+def host_ticks() -> tuple[int, int]:
+    """(busy, total) ticks of the whole host from /proc/stat."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    total = sum(v[:8])
+    return total - v[3] - v[4], total
+
+
+async def create_all(n: int, batch: int) -> list[Any]:
+    from e2b import AsyncSandbox
+
+    made: list[Any] = []
+    while len(made) < n:
+        k = min(batch, n - len(made))
+        made += await asyncio.gather(
+            *(AsyncSandbox.create("base", timeout=3600, retries=0) for _ in range(k)))
+        log(f"{len(made)}/{n} sandboxes running")
+    return made
+
+
+async def answers(sandboxes: list[Any]) -> list[float | None]:
+    """``commands.run("true")`` in each, one at a time: ms, or None when it failed."""
+    out: list[float | None] = []
+    for s in sandboxes:
+        t0 = time.perf_counter()
+        try:
+            r = await s.commands.run("true", request_timeout=30)
+            out.append((time.perf_counter() - t0) * 1000 if r.exit_code == 0 else None)
+        except Exception as e:
+            log(f"{s.sandbox_id}: {type(e).__name__}: {e}")
+            out.append(None)
+    return out
+
+
+def measure(srv: VMServer, args: argparse.Namespace) -> dict[str, Any]:
+    key = (srv.settings.secrets_dir / "api-key").read_text().strip()
+    os.environ.update({"E2B_API_KEY": key, "E2B_API_URL": srv.url,
+                       "E2B_SANDBOX_URL": srv.url, "E2B_DOMAIN": "localhost"})
+    return asyncio.run(_measure(srv, args))
+
+
+async def _measure(srv: VMServer, args: argparse.Namespace) -> dict[str, Any]:
+    sandboxes = await create_all(args.n, args.batch)
+    try:
+        ids = {s.sandbox_id for s in sandboxes}
+        log(f"settling {args.settle} s")
+        await asyncio.sleep(args.settle)
+        pids = vmm_pids(srv.settings.vms_dir)
+        mine = {p: d for p, d in pids.items() if d in ids}
+        others = {p: d for p, d in pids.items() if d not in ids}
+        if len(mine) != args.n:
+            log(f"found {len(mine)} sandbox VMMs for {args.n} sandboxes")
+        assert srv.proc is not None
+        watched = [*mine, *others, srv.proc.pid]
+        before = {p: cpu_ticks(p) for p in watched}
+        host_before = host_ticks()
+        t0 = time.monotonic()
+        await asyncio.sleep(args.window)
+        wall = time.monotonic() - t0
+        after = {p: cpu_ticks(p) for p in watched}
+        host_after = host_ticks()
+        ms_per_s = {p: (after[p] - before[p]) * 1000 / TICK / wall for p in watched}
+        mem = {p: {**rollup_kib(p), "guest": guest_written_kib(p)} for p in [*mine, *others]}
+        ran = await answers(sandboxes)
+    finally:
+        await asyncio.gather(*(s.kill() for s in sandboxes), return_exceptions=True)
+    pss = [mem[p]["Pss"] / 1024 for p in mine]
+    anon = [mem[p]["Anonymous"] / 1024 for p in mine]
+    guest = [mem[p]["guest"] / 1024 for p in mine]
+    cpu = [ms_per_s[p] for p in mine]
+    ok = [x for x in ran if x is not None and x <= ANSWER_WITHIN_S * 1000]
+    busy = (host_after[0] - host_before[0]) / max(host_after[1] - host_before[1], 1)
+    return {
+        "sandboxes": args.n, "vmms_found": len(mine), "window_s": round(wall, 2),
+        "pss_mib": {"per_sandbox_mean": round(sum(pss) / len(pss), 1), "sum": round(sum(pss), 1),
+                    "spread": summary(pss)},
+        "anonymous_mib": {"per_sandbox_mean": round(sum(anon) / len(anon), 1),
+                          "guest_ram_written_mean": round(sum(guest) / len(guest), 1),
+                          "vmm_own_mean": round((sum(anon) - sum(guest)) / len(anon), 1),
+                          "spread": summary(anon)},
+        "cpu_ms_per_s": {"per_sandbox_mean": round(sum(cpu) / len(cpu), 2),
+                         "sum": round(sum(cpu), 1), "spread": summary(cpu),
+                         "server": round(ms_per_s[srv.proc.pid], 2)},
+        "other_vmms": {"count": len(others),
+                       "pss_mib": round(sum(mem[p]["Pss"] for p in others) / 1024, 1),
+                       "cpu_ms_per_s": round(sum(ms_per_s[p] for p in others), 2)},
+        "host_busy_pct": round(100 * busy, 1),
+        "answers": {"within_2s": len(ok), "failed": sum(x is None for x in ran),
+                    "run_ms": summary([x for x in ran if x is not None])},
+        "goals": {"pss_mib_per_sandbox": GOAL_PSS_MIB,
+                  "cpu_ms_per_s_per_sandbox": GOAL_CPU_MS_PER_S,
+                  "met": (sum(pss) / len(pss) <= GOAL_PSS_MIB
+                          and sum(cpu) / len(cpu) <= GOAL_CPU_MS_PER_S
+                          and len(ok) == args.n)},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=30, help="idle sandboxes at once")
+    ap.add_argument("--batch", type=int, default=8, help="creates in flight at once")
+    ap.add_argument("--settle", type=float, default=10.0,
+                    help="seconds between the last create and the measurement")
+    ap.add_argument("--window", type=float, default=20.0, help="seconds of CPU measurement")
+    ap.add_argument("--net", type=int, default=133,
+                    help="second octet of the server's host and veth /24s")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("density.py needs root (network namespaces, VMs)")
+    home = Path(tempfile.mkdtemp(prefix="aenv-bench-density-"))
+    srv = VMServer(home, args.net, Settings.from_env().artifacts,
+                   server_args=("--max-sandboxes", str(args.n + 8)))
+    result: dict[str, Any] = {"benchmark": "density", "load_before": os.getloadavg()}
+    try:
+        log(f"starting aenv server (prefix {srv.settings.name_prefix})")
+        srv.start()
+        result.update(measure(srv, args))
+    except BaseException:
+        if srv.log_path.exists():
+            log("server log tail:\n" + srv.log_path.read_text(errors="replace")[-3000:])
+        raise
+    finally:
+        try:
+            if srv.proc is not None and srv.proc.poll() is None:
+                srv.kill_all()
+        finally:
+            srv.stop()
+            left = leftovers(srv.settings)
+            if any(left.values()):
+                from aenv.network import cleanup_leftovers
+
+                log(f"leftovers found, removing: {left}")
+                cleanup_leftovers(srv.settings)
+            shutil.rmtree(home, ignore_errors=True)
+    result["load_after"] = os.getloadavg()
+    emit(result)
+
+
+if __name__ == "__main__":
+    main()
