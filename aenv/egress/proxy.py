@@ -20,6 +20,9 @@ the real host over TLS verified against the system's CAs (and ``upstream_ca``).
 ``${e2b.secrets.<name>}`` in a header value is replaced by the secret's current value at
 that moment; the guest never sees it. An unknown secret answers 502.
 
+The same slot's DNS (its UDP 53, redirected) is answered here too (``dns``): a refused
+name does not resolve, an allowed one resolves to the addresses the proxy would dial.
+
 Why a small asyncio proxy of our own rather than mitmproxy or Envoy: per-slot listeners
 in namespaces, peek-then-splice, and one policy lookup per connection are a few hundred
 lines here, against a second daemon with its own configuration channel and release train.
@@ -41,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from ..network.policy import EgressPolicy
-from . import sniff
+from . import dns, sniff
 from .ca import EgressCA
 
 log = logging.getLogger("aenv.egress")
@@ -174,7 +177,8 @@ class EgressProxy:
             self._upstream.load_verify_locations(cafile=str(upstream_ca))
         self._upstream.set_alpn_protocols(["http/1.1"])
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._servers: dict[str, tuple[socket.socket, asyncio.Task[None]]] = {}
+        self._servers: dict[str, tuple[socket.socket, asyncio.Task[None],
+                                       asyncio.DatagramTransport | None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.connections = 0  # handled so far (tests, metrics)
 
@@ -196,21 +200,27 @@ class EgressProxy:
             raise RuntimeError("attach/detach block: call them from a worker thread")
         asyncio.run_coroutine_threadsafe(coro, self._loop).result(10)
 
-    def attach(self, key: str, sock: socket.socket,
-               policy: Callable[[], EgressPolicy]) -> None:
+    def attach(self, key: str, sock: socket.socket, policy: Callable[[], EgressPolicy],
+               dns: socket.socket | None = None) -> None:
         """Serve ``sock`` (listening, in a slot's namespace; the proxy owns it from now
-        on) under ``policy``, read afresh for every connection. Blocks until it serves."""
-        self._call(self._serve(key, sock, policy))
+        on) under ``policy``, read afresh for every connection, and DNS on the UDP socket
+        ``dns`` (``aenv.egress.dns``). Blocks until it serves."""
+        self._call(self._serve(key, sock, policy, dns))
 
     def detach(self, key: str) -> None:
         """Stop serving ``key`` and close its listener (connections open stay open)."""
         self._call(self._stop(key))
 
-    async def _serve(self, key: str, sock: socket.socket,
-                     policy: Callable[[], EgressPolicy]) -> None:
+    async def _serve(self, key: str, sock: socket.socket, policy: Callable[[], EgressPolicy],
+                     dns: socket.socket | None) -> None:
         await self._stop(key)
         sock.setblocking(False)
-        self._servers[key] = (sock, asyncio.create_task(self._accept(sock, policy)))
+        udp: asyncio.DatagramTransport | None = None
+        if dns is not None:
+            dns.setblocking(False)
+            udp, _ = await asyncio.get_running_loop().create_datagram_endpoint(
+                lambda: _Dns(self, policy), sock=dns)
+        self._servers[key] = (sock, asyncio.create_task(self._accept(sock, policy)), udp)
 
     async def _accept(self, listener: socket.socket,
                       policy: Callable[[], EgressPolicy]) -> None:
@@ -219,18 +229,18 @@ class EgressProxy:
         loop = asyncio.get_running_loop()
         while True:
             conn, _ = await loop.sock_accept(listener)
-            task = asyncio.create_task(self._handle(conn, policy))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._track(self._handle(conn, policy))
 
     async def _stop(self, key: str) -> None:
         entry = self._servers.pop(key, None)
         if entry is not None:
-            sock, task = entry
+            sock, task, udp = entry
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             sock.close()
+            if udp is not None:
+                udp.close()
 
     # -- one connection -------------------------------------------------------------------
 
@@ -254,6 +264,27 @@ class EgressProxy:
                 writer.close()
             elif sock not in _TRANSPORTED:
                 sock.close()
+
+    def _track(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _dns(self, data: bytes, addr: Any, transport: asyncio.DatagramTransport,
+                   policy: EgressPolicy) -> None:
+        try:
+            q = dns.parse(data)
+        except dns.BadQuery:
+            reply = dns.error(data, dns.FORMERR)
+            if reply is not None:
+                transport.sendto(reply, addr)
+            return
+        try:
+            found = await self._upstream_addr(q.name, policy)
+        except Refused:  # refused, or nowhere it may go: the name does not exist for it
+            transport.sendto(dns.answer(q, dns.NXDOMAIN), addr)
+            return
+        transport.sendto(dns.answer(q, dns.NOERROR, found), addr)
 
     async def _upstream_addr(self, name: str, policy: EgressPolicy) -> list[str]:
         verdict = policy.decide_name(name)
@@ -356,6 +387,21 @@ class EgressProxy:
 
 class _MissingSecret(Exception):
     pass
+
+
+class _Dns(asyncio.DatagramProtocol):
+    """A slot's DNS socket: each query answered in a task of its own."""
+
+    def __init__(self, proxy: EgressProxy, policy: Callable[[], EgressPolicy]) -> None:
+        self.proxy, self.policy = proxy, policy
+        self.transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # a datagram one here
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        if self.transport is not None:
+            self.proxy._track(self.proxy._dns(data, addr, self.transport, self.policy()))
 
 
 async def _streams(sock: socket.socket, tls: ssl.SSLContext | None = None

@@ -42,6 +42,7 @@ _REJECT = "reject with icmpx type admin-prohibited"
 # guest's TCP 80 and 443 are redirected there when its policy ``needs_proxy``.
 EGRESS_PORT = 15080
 PROXIED_PORTS = (80, 443)
+EGRESS_DNS_PORT = 15053  # and its UDP 53, to the proxy's DNS on the same address
 # The sandbox's own volume NFS server (``aenv.storage.volume_server``) on the tap address.
 VOLUME_NFS_PORT = 2049
 
@@ -128,6 +129,7 @@ def slot_table(a: Addressing, s: SlotAddresses, policy: EgressPolicy) -> str:
         iif "lo" accept
         ct state established,related accept
         iifname "{TAP_NAME}" ip daddr {TAP_IP} tcp dport {EGRESS_PORT} ct status dnat accept
+        iifname "{TAP_NAME}" ip daddr {TAP_IP} udp dport {EGRESS_DNS_PORT} ct status dnat accept
         iifname "{TAP_NAME}" ip daddr {TAP_IP} tcp dport {VOLUME_NFS_PORT} accept
     }}
     chain forward {{
@@ -152,7 +154,9 @@ def _redirect_rules(policy: EgressPolicy) -> list[str]:
         return []
     ports = ", ".join(str(p) for p in PROXIED_PORTS)
     return [f'iifname "{TAP_NAME}" ip saddr {GUEST_IP} tcp dport {{ {ports} }} '
-            f"redirect to :{EGRESS_PORT}"]
+            f"redirect to :{EGRESS_PORT}",
+            f'iifname "{TAP_NAME}" ip saddr {GUEST_IP} udp dport 53 '
+            f"redirect to :{EGRESS_DNS_PORT}"]
 
 
 def policy_update(a: Addressing, policy: EgressPolicy) -> str:

@@ -9,9 +9,10 @@ host end ``<prefix>-v<i>`` with the lower /31 address, and a /32 route for the s
 address via the namespace end. The host table shared by all slots is ``host.prepare``'s job.
 
 A policy that ``needs_proxy`` (domain names, header transforms) gets a listening socket
-made inside the namespace on ``TAP_IP:EGRESS_PORT``, handed to the slot's ``EgressHook``
-(the node's egress proxy) before the redirect to it is loaded, and taken back after the
-redirect is gone; without a hook such a policy is refused.
+made inside the namespace on ``TAP_IP:EGRESS_PORT`` (and a UDP one for the guest's DNS),
+handed to the slot's ``EgressHook`` (the node's egress proxy) before the redirect to it is
+loaded, and taken back after the redirect is gone; without a hook such a policy is
+refused.
 
 Creating and destroying use netlink (pyroute2) and one ``nft`` process; no other process
 is spawned. A slot is only ever destroyed or reset by its owner: callers stop the VMM first
@@ -53,8 +54,8 @@ log = logging.getLogger("aenv.network")
 class EgressHook(Protocol):
     """Who serves the egress listeners of slots (``aenv.egress.proxy.EgressProxy``)."""
 
-    def attach(self, key: str, sock: socket.socket,
-               policy: Callable[[], EgressPolicy]) -> None: ...
+    def attach(self, key: str, sock: socket.socket, policy: Callable[[], EgressPolicy],
+               dns: socket.socket | None = None) -> None: ...
 
     def detach(self, key: str) -> None: ...
 
@@ -190,18 +191,22 @@ class NetworkSlot:
             raise NetworkError("domain egress rules and transforms need the node's egress "
                                "proxy, which this slot pool was not given")
 
-        def listen() -> socket.socket:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        def listen() -> tuple[socket.socket, socket.socket]:
+            tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
             try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                sock.bind((TAP_IP, rulesets.EGRESS_PORT))
-                sock.listen(128)
+                tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                tcp.bind((TAP_IP, rulesets.EGRESS_PORT))
+                tcp.listen(128)
+                udp.bind((TAP_IP, rulesets.EGRESS_DNS_PORT))
             except BaseException:
-                sock.close()
+                tcp.close()
+                udp.close()
                 raise
-            return sock
+            return tcp, udp
 
-        self.egress.attach(self.netns, _netns.run_in(self.netns, listen), lambda: self._policy)
+        tcp, udp = _netns.run_in(self.netns, listen)
+        self.egress.attach(self.netns, tcp, lambda: self._policy, udp)
         self._proxied = True
 
     def _egress_off(self) -> None:

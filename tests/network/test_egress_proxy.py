@@ -19,6 +19,7 @@ import asyncio
 import os
 import socket
 import ssl
+import struct
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -95,6 +96,9 @@ class World:
         asyncio.run_coroutine_threadsafe(self.proxy.start(), self.loop).result(5)
         self.slot = NetworkSlot.create(self.addressing, 1, egress=self.proxy)
         self.guest = Guest(self.slot)
+
+    def guest_call(self, fn):  # type: ignore[no-untyped-def]
+        return ns.run_in(self.guest.netns, fn)
 
     def trusting(self, ca: EgressCA) -> ssl.SSLContext:
         return ssl.create_default_context(cafile=str(ca.directory / "ca.pem"))
@@ -233,6 +237,32 @@ def test_names_without_deny_by_default_follow_the_cidr_rules(world: World) -> No
         assert out.startswith(b"HTTP/1.1 403") and b"no address it may reach" in out
     finally:
         world.slot.set_policy(DEFAULT_POLICY)
+
+
+def test_the_guests_dns_agrees_with_the_policy(proxied: World) -> None:
+    """Whatever server the guest asks (its resolver is 8.8.8.8), the node answers: an
+    allowed name with the address the proxy would dial, a refused one NXDOMAIN."""
+    def resolve(name: str, qtype: int = 1) -> tuple[int, list[str]]:
+        labels = b"".join(bytes([len(p)]) + p.encode() for p in name.split(".")) + b"\0"
+        q = struct.pack("!HHHHHH", 7, 0x0100, 1, 0, 0, 0) + labels + struct.pack("!HH", qtype, 1)
+
+        def go() -> bytes:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.settimeout(5)
+                s.sendto(q, ("8.8.8.8", 53))
+                return s.recv(4096)
+        out = proxied.guest_call(go)
+        count = struct.unpack("!H", out[6:8])[0]
+        start = len(q)
+        return struct.unpack("!H", out[2:4])[0] & 0xF, [
+            ".".join(str(b) for b in out[start + 16 * i + 12:start + 16 * i + 16])
+            for i in range(count)]
+
+    assert resolve("allowed.aes.test") == (0, [INET_IP])
+    assert resolve("a.wild.aes.test") == (0, [INET_IP])
+    assert resolve("denied.aes.test") == (3, [])
+    assert resolve("wild.aes.test") == (3, [])
+    assert resolve("allowed.aes.test", qtype=28) == (0, [])
 
 
 def test_the_listener_goes_with_the_policy_that_needed_it(world: World) -> None:

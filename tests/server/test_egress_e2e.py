@@ -3,8 +3,8 @@ this file's own (prefix aenvsf), microVM sandboxes, the real E2B SDK (``Sandbox.
 with ``network=``, ``Secret``), and an "internet" namespace with HTTP and TLS servers whose
 certificates come from a test CA (``tests/network/egress_world.py``). The server resolves
 the test names with ``AENV_EGRESS_HOSTS`` and trusts the test CA upstream with
-``AENV_EGRESS_UPSTREAM_CA``; the guest connects to the server's address with the name in
-Host or SNI, as a client that resolved it would.
+``AENV_EGRESS_UPSTREAM_CA``. The guest resolves names through its own resolver (answered
+by the node's egress DNS), then connects to the address with the name in Host or SNI.
 """
 
 from __future__ import annotations
@@ -71,6 +71,10 @@ def test_domain_rules_and_a_secret_transform_through_the_sdk(world) -> None:
             "Authorization": "Bearer " + Secret.fill("e2e-token")}}}]},
     })
     try:
+        # The guest's own resolver (8.8.8.8) is answered by the node, as the policy says.
+        resolve = "python3 -c \"import socket; print(socket.gethostbyname('{}'))\" || echo no"
+        assert sbx.commands.run(resolve.format("allowed.aes.test")).stdout.strip() == INET_IP
+        assert sbx.commands.run(resolve.format("denied.aes.test")).stdout.strip() == "no"
         sbx.files.write("/tmp/req.py", REQUEST)
         sbx.files.write("/tmp/site-ca.pem", inet.ca_file.read_text())
         inet.clear()
