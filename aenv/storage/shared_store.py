@@ -13,9 +13,16 @@ A snapshot is rarely self-contained: its manifest names memory layers and drive 
 other snapshots and the template layer or image its drives end on, by absolute path
 (``aenv.storage.snapshots``). Its bundle is its closure (``snapshot_store.reachable``):
 every file of every snapshot directory and template layer it reaches, each by its path
-relative to the node's snapshots or layers root, with its digest and size. Files outside
-those roots (guest kernels, base images under ``AENV_CACHE_HOME``) are not copied: the
-bundle lists them as ``external`` and a node that lacks one cannot restore the snapshot.
+relative to the node's snapshots or layers root, with its digest and size. The images a
+closure ends on (a drive's root, or the end of a template layer's backing chain) that a
+build laid on the host (``fromImage`` pulls, COPY steps laid into a copy of the base:
+``image:<digest>`` under ``AENV_CACHE_HOME/images``) are published too, once per image
+(``images/<digest>.json`` lists its files' blobs): a node that lacks one fetches it to its
+own images directory (``LocalRoots.images``; None: the publisher's path) and the layers
+and manifests that name it are pointed there. Other files outside those roots (guest
+kernels, the ``base`` image, the tools drive, which every node builds from the same recipe)
+are not copied: the bundle lists them as ``external`` and a node that lacks one cannot
+restore the snapshot.
 
 Writes: each blob and bundle is copied to a temporary name unique to the writer, fsynced,
 renamed into place and its directory fsynced; the ref is written the same way, last. A
@@ -48,6 +55,7 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import tempfile
@@ -63,6 +71,9 @@ from .errors import StorageError
 BLOBS = Path("blobs/sha256")
 BUNDLES = Path("bundles/sha256")
 REFS = Path("refs")
+IMAGES = Path("images")
+IMAGE_MANIFEST = "image.json"   # aenv.storage.images.MANIFEST: what marks an image's dir
+BASE_IMAGE = "base"             # aenv.storage.images.BASE_NAME: every node builds its own
 BUNDLE_FORMAT = "aenv-snapshot-bundle"
 BUNDLE_VERSION = 1
 _CHUNK = 1 << 20
@@ -230,12 +241,13 @@ class Bundle:
     roots: dict[str, str]                      # the publisher's snapshots/layers roots
     requires: dict[str, Any] = field(default_factory=dict)
     external: tuple[str, ...] = ()             # absolute paths outside those roots
+    images: dict[str, str] = field(default_factory=dict)  # published image -> its dir there
 
     def to_json(self) -> bytes:
         return json.dumps({
             "format": BUNDLE_FORMAT, "version": BUNDLE_VERSION,
             "snapshot": self.snapshot_id, "roots": self.roots, "requires": self.requires,
-            "external": list(self.external),
+            "external": list(self.external), "images": self.images,
             "files": [{"path": f.path, "digest": f.digest, "size": f.size, "mode": f.mode}
                       for f in self.files]}, indent=1, sort_keys=True).encode()
 
@@ -250,22 +262,26 @@ class Bundle:
                                         int(f.get("mode", 0o644))) for f in data["files"]),
                        {k: str(v) for k, v in data["roots"].items()},
                        dict(data.get("requires") or {}),
-                       tuple(str(p) for p in data.get("external", ())))
+                       tuple(str(p) for p in data.get("external", ())),
+                       {str(k): str(v) for k, v in (data.get("images") or {}).items()})
         except (ValueError, KeyError, TypeError) as e:
             raise SharedStoreError(f"{where}: malformed bundle ({e})") from e
 
 
 @dataclass(frozen=True)
 class LocalRoots:
-    """A node's local snapshot and template-layer directories."""
+    """A node's local snapshot and template-layer directories, and where images fetched
+    from the store go (None: where the publisher had them)."""
 
     snapshots: Path
     layers: Path
+    images: Path | None = None
 
 
 class SharedStore:
     def __init__(self, root: Path) -> None:
         self.root = root
+        self._chains: dict[Path, list[Path]] = {}  # layer -> its backing chain (immutable)
 
     def _ref(self, snapshot_id: str) -> Path:
         if not snapshot_id or "/" in snapshot_id or snapshot_id.startswith("."):
@@ -334,8 +350,14 @@ class SharedStore:
                 st = f.stat()
                 files.append(BundleFile(f"{kind}/{f.relative_to(base)}", d, st.st_size,
                                         st.st_mode & 0o777))
-        bundle = Bundle(snapshot_id, tuple(files), roots, requires,
-                        tuple(sorted(_external(local, keep))))
+        external = _external(local, keep) | self._layer_backings(local, keep)
+        images = {d.name: str(d) for d in map(_host_image, sorted(external)) if d}
+        for d in images.values():
+            self._publish_image(Path(d))
+        published = {Path(d) for d in images.values()}
+        external = {p for p in external if Path(p).parent not in published}
+        bundle = Bundle(snapshot_id, tuple(files), roots, requires, tuple(sorted(external)),
+                        images)
         raw = bundle.to_json()
         bundle_digest = hashlib.sha256(raw).hexdigest()
         dest = self.root / BUNDLES / bundle_digest
@@ -343,6 +365,68 @@ class SharedStore:
             _write(dest, raw)
         _write(self._ref(snapshot_id), bundle_digest.encode())
         return bundle
+
+    def _layer_backings(self, local: LocalRoots, keep: set[Path]) -> set[str]:
+        """What the closure's template layers are backed by outside the local roots (the
+        image a build's first layer sits on)."""
+        out: set[str] = set()
+        for item in keep:
+            if item.parent != local.layers or item.suffix != ".qcow2":
+                continue
+            if item not in self._chains:
+                self._chains[item] = snapshot_store.backing_chain(item)
+            out.update(str(p) for p in self._chains[item] if not _under(p, local))
+        return out
+
+    def _image_record(self, name: str) -> Path:
+        if not name or "/" in name or name.startswith("."):
+            raise SharedStoreError(f"bad image digest {name!r}")
+        return self.root / IMAGES / f"{name}.json"
+
+    def _publish_image(self, directory: Path) -> None:
+        """Publish a host-laid image's files, once: an image never changes (its directory
+        is named by the digest of its inputs)."""
+        record = self._image_record(directory.name)
+        if record.is_file():
+            return
+        files = []
+        for f in sorted(p for p in directory.iterdir()
+                        if p.is_file() and not p.name.startswith(".")):
+            d = digest(f)
+            blob = self.root / BLOBS / d
+            if not blob.exists():
+                _install(f, blob)
+            st = f.stat()
+            files.append({"name": f.name, "digest": d, "size": st.st_size,
+                          "mode": st.st_mode & 0o777})
+        _write(record, json.dumps({"image": directory.name, "files": files},
+                                  indent=1).encode())
+
+    def _fetch_image(self, name: str, directory: Path) -> None:
+        """Install published image ``name`` as ``directory``, verified, unless there."""
+        if (directory / IMAGE_MANIFEST).is_file():
+            return
+        record = self._image_record(name)
+        try:
+            files = json.loads(record.read_bytes())["files"]
+        except (OSError, ValueError, KeyError) as e:
+            raise SharedStoreError(f"image {name} is not in the shared store: {e}") from e
+        staging = _temp_beside(directory)
+        try:
+            for f in files:
+                self._copy_verified(BundleFile(f"images/{name}/{f['name']}", str(f["digest"]),
+                                               int(f["size"]), int(f.get("mode", 0o644))),
+                                    staging / str(f["name"]))
+            durable.fsync_tree(staging)
+            try:
+                durable.rename_durably(staging, directory)
+            except OSError:
+                if not (directory / IMAGE_MANIFEST).is_file():
+                    raise
+                shutil.rmtree(staging, ignore_errors=True)  # another fetch was first
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
 
     def _published_here(self, snapshot_id: str, roots: dict[str, str]
                         ) -> list[BundleFile] | None:
@@ -398,7 +482,14 @@ class SharedStore:
         if missing:
             raise Incompatible(snapshot_id, [f"this node lacks {', '.join(missing)}"])
         old = {k: Path(v) for k, v in bundle.roots.items()}
-        moves = _Moves(old["snapshots"], local.snapshots, old["layers"], local.layers)
+        images: list[tuple[Path, Path]] = []
+        for name, there in sorted(bundle.images.items()):
+            here = local.images / name if local.images is not None else Path(there)
+            self._fetch_image(name, here)
+            if here != Path(there):
+                images.append((Path(there), here))
+        moves = _Moves(old["snapshots"], local.snapshots, old["layers"], local.layers,
+                       tuple(images))
         groups: dict[str, list[BundleFile]] = {}
         for f in bundle.files:
             kind, _, rest = f.path.partition("/")
@@ -489,6 +580,17 @@ def _external(local: LocalRoots, keep: set[Path]) -> set[str]:
     return out
 
 
+def _host_image(path: str) -> Path | None:
+    """The directory of the host-laid image ``path`` is the root filesystem of (an aenv
+    image other than ``base``), else None."""
+    d = Path(path).parent
+    try:
+        name = json.loads((d / IMAGE_MANIFEST).read_bytes()).get("name")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return d if isinstance(name, str) and name != BASE_IMAGE else None
+
+
 def _under(p: Path, local: LocalRoots) -> bool:
     return p.is_relative_to(local.snapshots) or p.is_relative_to(local.layers)
 
@@ -501,11 +603,20 @@ class _Moves:
     new_snapshots: Path
     old_layers: Path
     new_layers: Path
+    images: tuple[tuple[Path, Path], ...] = ()  # an image's directory there -> here
+
+    @property
+    def pairs(self) -> tuple[tuple[Path, Path], ...]:
+        return ((self.old_snapshots, self.new_snapshots), (self.old_layers, self.new_layers),
+                *self.images)
+
+    @property
+    def moved(self) -> bool:
+        return any(old != new for old, new in self.pairs)
 
     def path(self, p: str) -> str:
         q = Path(p)
-        for old, new in ((self.old_snapshots, self.new_snapshots),
-                         (self.old_layers, self.new_layers)):
+        for old, new in self.pairs:
             if q.is_relative_to(old):
                 return str(new / q.relative_to(old))
         return p
@@ -521,8 +632,7 @@ class _Moves:
 
     def rewrite_snapshot(self, staging: Path) -> None:
         manifest = staging / snapshots.MANIFEST
-        moved = self.old_snapshots != self.new_snapshots or self.old_layers != self.new_layers
-        if manifest.is_file() and moved:
+        if manifest.is_file() and self.moved:
             data = json.loads(manifest.read_text())
             data = self._walk(data)
             durable.write_atomic(manifest, json.dumps(data, indent=1).encode())
@@ -531,7 +641,7 @@ class _Moves:
 
     def rebase(self, image: Path) -> None:
         """Point a qcow2's backing file at this node's copy (header only: ``-u``)."""
-        if self.old_snapshots == self.new_snapshots and self.old_layers == self.new_layers:
+        if not self.moved:
             return
         info = snapshots.image_info(image)
         if info.backing is None:

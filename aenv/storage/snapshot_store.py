@@ -110,7 +110,7 @@ def save_disk(disk: Disk, path: Path) -> DiskSnapshot:
     return DiskSnapshot(path, path / name, disk.format)
 
 
-def _backing_chain(image: Path) -> list[Path]:
+def backing_chain(image: Path) -> list[Path]:
     """Files an image reads through (qcow2 backing files), nearest first. A missing image
     reads nothing; one that exists but cannot be read raises ``DependenciesUnknown``."""
     if image.suffix != ".qcow2" or not image.exists():
@@ -145,9 +145,9 @@ def dependencies(path: Path, snapshots_root: Path, layers_root: Path) -> set[Pat
                 if d.root is not None:
                     files.add(d.root)
         else:
-            files = set(_backing_chain(disk.drive))
+            files = set(backing_chain(disk.drive))
     else:
-        files = set(_backing_chain(path))
+        files = set(backing_chain(path))
     out: set[Path] = set()
     for f in files:
         if f.parent == snapshots_root or f.parent.parent == snapshots_root:

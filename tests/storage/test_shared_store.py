@@ -180,3 +180,97 @@ def test_collection_keeps_every_blob_a_published_snapshot_names(world: World) ->
     x = store.bundle("x")
     assert removed and all(p.name not in {f.digest for f in x.files} for p in removed)
     assert all((store.root / BLOBS / f.digest).is_file() for f in x.files)
+
+
+def _image(cache: Path, digest_name: str, name: str) -> Path:
+    """An image as ``aenv.storage.images`` lays it: ``images/<digest>/rootfs.ext4`` and
+    its ``image.json``."""
+    d = cache / "images" / digest_name
+    d.mkdir(parents=True)
+    with open(d / "rootfs.ext4", "wb") as f:   # sparse, a little data
+        f.truncate(MEM)
+        f.write(name.encode() * 100)
+    (d / "image.json").write_text(json.dumps({"name": name, "digest": digest_name}))
+    return d / "rootfs.ext4"
+
+
+def _template_on(a: LocalRoots, name: str, layer_backing: Path, kernel: Path) -> None:
+    """Snapshot ``name``: its drive on template layer ``<name>.qcow2`` over
+    ``layer_backing`` (raw), as a template build leaves it."""
+    layer = a.layers / f"{name}.qcow2"
+    _qcow2(layer, layer_backing, "raw")
+    (a.layers / f"{name}.json").write_text("{}")
+    d = a.snapshots / name
+    d.mkdir()
+    (d / snap.DEVICE_STATE).write_bytes(b"state")
+    (d / snap.MEMORY).write_bytes(b"m" * 4096)
+    _qcow2(d / "rootfs.qcow2", layer, "qcow2")
+    m = snap.Manifest(
+        driver="qemu", vm={"accel": "tcg", "kernel": str(kernel), "version": 1},
+        memory_size=4096, layers=(snap.MemoryLayer(d, "full", 1),),
+        drives=(snap.DriveImage("rootfs", "qcow2", False, file="rootfs.qcow2", chain=(),
+                                root=layer, root_format="qcow2"),))
+    (d / snap.MANIFEST).write_text(json.dumps(m.to_json(d)))
+
+
+def test_a_host_laid_image_is_published_with_the_template_and_fetched_where_it_belongs(
+        world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fromImage template's layer sits on an image laid on node a's host: node b, with
+    its own images directory, gets that image (verified) and the layer pointed at it; the
+    ``base`` image, which every node builds, stays external and is not copied."""
+    a, _, store = world
+    kernel = tmp_path / "cache/kernels/k1/vmlinux"
+    pulled = _image(tmp_path / "cache-a", "d1gest", "python:3.12")
+    base = _image(tmp_path / "cache-a", "ba5e", "base")
+    _template_on(a, "fromimage", pulled, kernel)
+    _template_on(a, "onbase", base, kernel)
+    b = _home(tmp_path / "b2")
+    b = LocalRoots(b.snapshots, b.layers, images=tmp_path / "cache-b/images")
+
+    bundle = store.publish(a, "fromimage")
+    assert bundle.images == {"d1gest": str(pulled.parent)}
+    assert str(pulled) not in bundle.external and str(kernel) in bundle.external
+    assert (store.root / "images/d1gest.json").is_file()
+    # published once: a second template on the same image does not hash it again
+    hashed: list[Path] = []
+
+    def counting(p: Path) -> str:
+        hashed.append(p)
+        return digest(p)
+
+    monkeypatch.setattr("aenv.storage.shared_store.digest", counting)
+    assert store.publish(a, "fromimage").images == bundle.images
+    monkeypatch.undo()
+    assert pulled not in hashed
+
+    store.fetch(b, "fromimage")
+    here = tmp_path / "cache-b/images/d1gest"
+    assert (here / "rootfs.ext4").read_bytes() == pulled.read_bytes()
+    assert json.loads((here / "image.json").read_text())["name"] == "python:3.12"
+    assert _backing(b.layers / "fromimage.qcow2") == str(here / "rootfs.ext4")
+    assert not [p for p in here.parent.iterdir() if p.name.startswith(".")]
+
+    # base: not copied, named as external; a node without it cannot restore the template
+    on_base = store.publish(a, "onbase")
+    assert on_base.images == {} and str(base) in on_base.external
+    assert not (store.root / "images/ba5e.json").exists()
+    base.unlink()
+    with pytest.raises(Incompatible, match="lacks"):
+        store.fetch(b, "onbase")
+
+
+def test_a_corrupt_image_blob_is_refused_and_no_image_is_installed(
+        world: World, tmp_path: Path) -> None:
+    a, _, store = world
+    kernel = tmp_path / "cache/kernels/k1/vmlinux"
+    pulled = _image(tmp_path / "cache-a", "d2gest", "node:22")
+    _template_on(a, "fromimage", pulled, kernel)
+    store.publish(a, "fromimage")
+    (store.root / BLOBS / digest(pulled)).write_bytes(b"not the image")
+    b = _home(tmp_path / "b3")
+    b = LocalRoots(b.snapshots, b.layers, images=tmp_path / "cache-c/images")
+    with pytest.raises(SharedStoreError, match="does not match"):
+        store.fetch(b, "fromimage")
+    images = tmp_path / "cache-c/images"
+    assert not images.exists() or list(images.iterdir()) == []
+    assert list(b.snapshots.iterdir()) == []
