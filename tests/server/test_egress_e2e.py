@@ -109,6 +109,28 @@ def test_domain_rules_and_a_secret_transform_through_the_sdk(world) -> None:
         Secret.destroy("e2e-token")
 
 
+def test_domain_rules_survive_pause_resume_and_fork(world) -> None:
+    sbx = Sandbox.create("base", timeout=300, network={
+        "allow_out": ["allowed.aes.test"], "deny_out": ["0.0.0.0/0"]})
+    children: list[Sandbox] = []
+    try:
+        sbx.files.write("/tmp/req.py", REQUEST)
+        info = sbx.get_info()  # the SDK reads the network options back
+        assert info.sandbox_id == sbx.sandbox_id
+        sbx.pause()
+        sbx = Sandbox.connect(sbx.sandbox_id)
+        assert ask(sbx, "allowed.aes.test").endswith("ok allowed.aes.test\n")
+        assert ask(sbx, "denied.aes.test").startswith("HTTP/1.1 403")
+        children = [c for c in sbx.fork(count=1) if isinstance(c, Sandbox)]
+        assert len(children) == 1
+        assert ask(children[0], "allowed.aes.test").endswith("ok allowed.aes.test\n")
+        assert ask(children[0], "denied.aes.test").startswith("HTTP/1.1 403")
+    finally:
+        for c in children:
+            c.kill()
+        sbx.kill()
+
+
 def test_network_options_are_read_back_and_bad_ones_refused(world) -> None:
     srv, _ = world
     with httpx.Client(base_url=srv.url, headers={"X-API-KEY": srv.api_key}) as c:
