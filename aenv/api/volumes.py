@@ -23,6 +23,8 @@ router = APIRouter()
 
 class NewVolume(_Body):
     name: str = Field(min_length=1, max_length=128)
+    # aenv extension: a smaller quota than AENV_VOLUME_SIZE_MB (the default and the most).
+    sizeMB: int | None = Field(default=None, ge=16)
 
 
 def volumes(request: Request) -> Volumes:
@@ -38,7 +40,7 @@ def and_token(rec: VolumeRecord) -> dict[str, Any]:
 
 @router.post("/volumes")
 async def create(request: Request, body: NewVolume) -> Response:
-    rec = await volumes(request).create(body.name)
+    rec = await volumes(request).create(body.name, body.sizeMB)
     return JSONResponse(and_token(rec), status_code=201)
 
 

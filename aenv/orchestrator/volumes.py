@@ -37,12 +37,17 @@ class Volumes:
         self.store, self.sandboxes, self.settings = store, sandboxes, settings
         self.size_mb = settings.volume_size_mb
 
-    async def create(self, name: str) -> VolumeRecord:
+    async def create(self, name: str, size_mb: int | None = None) -> VolumeRecord:
+        """A new volume of ``size_mb`` MiB (at most, and by default, the node's
+        ``volume_size_mb``)."""
+        if size_mb is not None and size_mb > self.size_mb:
+            raise InvalidRequest(f"sizeMB must be at most {self.size_mb} "
+                                 "(AENV_VOLUME_SIZE_MB)")
         if not NAME.match(name):
             raise InvalidRequest("volume name must be 1-128 characters of letters, digits, "
                                  "'.', '_' and '-', starting with a letter or digit")
         try:
-            rec = self.store.insert(name, self.size_mb)
+            rec = self.store.insert(name, size_mb or self.size_mb)
         except VolumeNameTaken as e:
             raise Conflict(str(e)) from None
         try:

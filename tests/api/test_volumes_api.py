@@ -73,6 +73,9 @@ def test_control_plane(world) -> None:
         r = call(app, "POST", "/volumes", json=bad)
         assert r.status_code == 400 and set(r.json()) == {"code", "message"}, bad
     assert call(app, "POST", "/volumes", json={"name": "x"}, auth={}).status_code == 401
+    assert call(app, "POST", "/volumes", json={"name": "x", "sizeMB": 17}).status_code == 400
+    small = call(app, "POST", "/volumes", json={"name": "small", "sizeMB": 16}).json()
+    assert host.usage(settings, small["volumeID"])[1] <= 16 * 1024 * 1024
     assert call(app, "GET", "/volumes/vol_nope").status_code == 404
     assert call(app, "DELETE", f"/volumes/{vol['volumeID']}").status_code == 204
     assert not (settings.home / "volumes" / vol["volumeID"]).exists()

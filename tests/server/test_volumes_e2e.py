@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from e2b import Sandbox, Volume
 from e2b.exceptions import InvalidArgumentException, SandboxException, VolumeException
@@ -85,12 +86,19 @@ def test_a_volume_shared_by_sandboxes_across_pause_and_fork(volume_sdk) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_a_full_volume_is_a_clear_error(volume_sdk) -> None:
-    vol = Volume.create("e2e-quota")
+def test_a_full_volume_is_a_clear_error_and_other_volumes_are_out_of_reach(
+        volume_sdk) -> None:
+    # 64 MiB (aenv's sizeMB; the SDK has no size): filling the default 1 GiB over NFS
+    # under TCG would take minutes.
+    with httpx.Client(base_url=volume_sdk.url, headers={"X-API-KEY": volume_sdk.api_key}) as c:
+        r = c.post("/volumes", json={"name": "e2e-quota", "sizeMB": 64})
+        assert r.status_code == 201, r.text
+    vol, other = Volume.connect(r.json()["volumeID"]), Volume.create("e2e-other")
     sbx = None
     try:
         sbx = Sandbox.create("base", timeout=300, volume_mounts={MNT: vol})
         size_mb = int(_run(sbx, f"df -m --output=size {MNT} | tail -1"))
+        assert 48 <= size_mb <= 64
         result = sbx.commands.run(
             f"dd if=/dev/zero of={MNT}/fill bs=1M count={size_mb + 64} conv=fsync 2>&1 "
             "|| echo FAILED", timeout=600)
@@ -99,10 +107,23 @@ def test_a_full_volume_is_a_clear_error(volume_sdk) -> None:
             vol.write_file("/more.bin", b"x" * (1024 * 1024))
         _run(sbx, f"rm -f {MNT}/fill")
         vol.write_file("/more.bin", b"x" * 1024)  # room again
+
+        # Its NFS server exports only its own volumes: another one's export is refused,
+        # even to root, while a second mount of its own works.
+        other.write_file("/private.txt", "not yours")
+        tried = sbx.commands.run(
+            f"mkdir -p /mnt/o /mnt/own && (mount -t nfs4 -o vers=4.2,addr=169.254.0.22 "
+            f"169.254.0.22:/{other.volume_id} /mnt/o && cat /mnt/o/private.txt; "
+            f"echo rc=$?) 2>&1; mount -t nfs4 -o vers=4.2,addr=169.254.0.22 "
+            f"169.254.0.22:/{vol.volume_id} /mnt/own && ls /mnt/own",
+            user="root", timeout=120)
+        assert "not yours" not in tried.stdout and "rc=0" not in tried.stdout, tried.stdout
+        assert "more.bin" in tried.stdout
     finally:
         if sbx is not None:
             sbx.kill()
         Volume.destroy(vol.volume_id)
+        Volume.destroy(other.volume_id)
 
 
 def test_unknown_volume_names_are_refused(volume_sdk) -> None:
