@@ -17,7 +17,9 @@ VMs come and go on these 2 cores). Over one keep-alive connection per server (ht
   guest's: api, orchestrator, slot, prepare, vmm, memory, state_load or pool), and
   ``create_guest``: ``envd_init`` (the guest runs from its restored state until envd has
   answered ``/init``: what TCG emulates and KVM runs natively); ``pool_hits``: creates
-  that took a pre-started VMM (their Server-Timing has ``pool``);
+  that took a pre-started VMM (their Server-Timing has ``pool``); ``init_again``: the
+  same ``/init`` sent again right after (through the proxy: one more hop), to a guest whose
+  code TCG has translated by then — how much of ``create_guest`` is a cold guest;
 - ``resume``: pause (``POST .../pause``) then ``POST /v2/.../connect`` of one sandbox,
   ``--n`` times; a paused sandbox's snapshot is its own, so the pool has none waiting
   for it (both modes restore afresh) — measured to show that;
@@ -98,8 +100,11 @@ class Mode:
             if "envd_init" in ph:
                 self.add("create_guest", ph["envd_init"])
             self.hits += "pool" in ph
+            again = init_again(self.srv, sid, r.json().get("envdAccessToken"))
+            self.add("init_again", again)
             log(f"{self.name}: create {ms:.0f} ms (host {tot.get('host', -1):.1f}, guest "
-                f"{ph.get('envd_init', -1):.0f}{', pooled' if 'pool' in ph else ''})")
+                f"{ph.get('envd_init', -1):.0f}{', pooled' if 'pool' in ph else ''}; "
+                f"/init again {again:.0f})")
         return sid
 
     def resume(self) -> None:
@@ -169,6 +174,26 @@ def interleaved(modes: list[Mode], args: argparse.Namespace) -> None:
         for m in modes if i % 2 == 0 else modes[::-1]:
             m.fork()
             time.sleep(1.0)
+
+
+def init_again(srv: VMServer, sid: str, token: str | None) -> float:
+    """A second ``/init`` (through the server's proxy) right after the create's: the same
+    request to the same guest, its code now translated (TCG) and its pages touched."""
+    import asyncio
+
+    from aenv.client.envd import EnvdClient
+
+    async def go() -> float:
+        envd = EnvdClient.through_proxy(srv.url, sid, token)
+        try:
+            t0 = time.perf_counter()
+            await envd.init(access_token=token, env_vars={}, current_token=token,
+                            entropy=os.urandom(64))
+            return (time.perf_counter() - t0) * 1000
+        finally:
+            await envd.aclose()
+
+    return asyncio.run(go())
 
 
 def _write_file(srv: VMServer, sid: str, token: str | None) -> None:

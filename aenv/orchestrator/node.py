@@ -62,6 +62,8 @@ log = logging.getLogger("aenv.node")
 ENVD_READY_TIMEOUT_S = 60.0
 START_READY_TIMEOUT_S = 120.0
 GUEST_SYNC_TIMEOUT_S = 60.0  # a filesystem pause's `sync` in the guest
+# How long a VMM pre-started for a paused sandbox's resume waits (``VMMPool.want_once``).
+RESUME_PRESTART_S = 60.0
 CONSOLE_CHECK_S = 10.0  # how often the running VMs' console logs are held to their bound
 
 
@@ -331,10 +333,12 @@ class NodeMachines:
         on) — or ``pool`` (taking a pre-started VMM, its slot's egress policy) and
         ``state_load`` — then ``envd_init`` (the guest runs until envd answered)."""
         timer = PhaseTimer()
-        # A fork's capture and a paused sandbox are restored once: no pool for them (it
-        # would pre-start VMMs for a snapshot nobody restores again).
-        once = template.build_id in ("fork", "resume")  # template_records' sources
-        taken = await self._take_pooled(rec, directory) if pooled and not once else None
+        # A fork's capture is new (no VMM can be waiting for it); a paused sandbox's may
+        # have one pre-started after its pause (``want_once``). template_records' names.
+        kind = template.build_id if template.build_id in ("fork", "resume") else "template"
+        taken = None
+        if pooled and kind != "fork":
+            taken = await self._take_pooled(rec, directory, once=kind == "resume")
         if taken is not None:
             timer.mark("pool")
             return await self._activate(rec, template, directory, taken, timer)
@@ -365,13 +369,14 @@ class NodeMachines:
                          host_ip=slot.host_ip, runtime=self.runtime.name, phases=timer.phases,
                          restored_from=template.image)
 
-    async def _take_pooled(self, rec: SandboxRecord,
-                           directory: Path) -> Pooled[NetworkSlot] | None:
+    async def _take_pooled(self, rec: SandboxRecord, directory: Path, *,
+                           once: bool = False) -> Pooled[NetworkSlot] | None:
         """A pre-started VMM of ``directory`` with ``rec``'s egress policy on its slot, or
-        None (no pool, none waiting, or the policy could not be set)."""
+        None (no pool, none waiting, or the policy could not be set). ``once``: a paused
+        sandbox's snapshot (``VMMPool.take``)."""
         if self.vmm_pool is None:
             return None
-        pooled = await self.vmm_pool.take(directory)
+        pooled = await self.vmm_pool.take(directory, once=once)
         if pooled is None:
             return None
         try:
@@ -603,6 +608,9 @@ class NodeMachines:
         self._running.pop(rec.id, None)
         await asyncio.to_thread(self._release, running.slot)
         await asyncio.to_thread(wd.remove, Path(rec.vm_dir or running.vm.workdir))
+        if memory and self.vmm_pool is not None:
+            # A resume soon after (an agent's pause/resume cycle) then only loads state.
+            self.vmm_pool.want_once(directory, RESUME_PRESTART_S)
         await self.publish(directory.name)
 
     async def _pause_disk(self, rec: SandboxRecord, running: _Running,

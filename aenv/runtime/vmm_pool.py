@@ -18,6 +18,10 @@ is what it holds once a create takes it; while it waits it holds QEMU's own few 
 filler works one VMM at a time and only while no start is under way (``busy``) — between
 bursts — or once a refill has waited ``max_defer_s``.
 
+A snapshot restored only once — a paused sandbox's, for its resume — can be asked for
+with ``want_once``: one VMM, made only with the memory the templates' targets leave free,
+kept until taken or until its time is up.
+
 A pooled VMM that died is discarded when found (the create falls back to an ordinary
 restore); pooled VMMs of a snapshot that is gone (template deleted and collected) are
 discarded by ``prune``; ``close`` ends them all and gives their slots back. A server that
@@ -130,6 +134,9 @@ class VMMPool(Generic[S]):
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self._failed_at: dict[Path, float] = {}
+        # Snapshots restored at most once (a paused sandbox's), wanted until a deadline: one
+        # VMM each, made only with memory the templates' targets leave free.
+        self._once: dict[Path, float] = {}
         self.stats = {"hits": 0, "misses": 0, "made": 0, "discarded": 0, "dead": 0}
 
     # -- life -------------------------------------------------------------------------------
@@ -182,13 +189,24 @@ class VMMPool(Generic[S]):
         self._takes.setdefault(key, collections.deque()).append(time.monotonic())
         self._wake.set()
 
-    async def take(self, snapshot_dir: Path) -> Pooled[S] | None:
+    def want_once(self, snapshot_dir: Path, for_s: float) -> None:
+        """Pre-start one VMM of a snapshot that will be restored once (a paused sandbox's,
+        for its resume), if memory allows, and keep it for ``for_s`` seconds at most."""
+        if self.enabled and not self._closed:
+            self._once[snapshot_key(snapshot_dir)] = time.monotonic() + for_s
+            self._wake.set()
+
+    async def take(self, snapshot_dir: Path, *, once: bool = False) -> Pooled[S] | None:
         """A live pooled VMM of ``snapshot_dir``, or None (then restore as usual). Dead
-        ones met on the way are discarded. Counts as demand either way."""
+        ones met on the way are discarded. A template's ask counts as demand either way;
+        ``once``: the snapshot is restored this once (``want_once``), no demand."""
         if not self.enabled or self._closed:
             return None
         key = snapshot_key(snapshot_dir)
-        self.note(key)
+        if once:
+            self._once.pop(key, None)
+        else:
+            self.note(key)
         queue = self._idle.get(key)
         while queue:
             entry = queue.popleft()
@@ -236,6 +254,20 @@ class VMMPool(Generic[S]):
                 self._takes.pop(key, None)
         for key in [k for k in self._takes if not (k / snap.MANIFEST).is_file()]:
             self._takes.pop(key, None)
+        return n + await self._expire_once()
+
+    async def _expire_once(self) -> int:
+        """Discard the VMMs of one-shot snapshots whose time is up or whose files are gone."""
+        now, n = time.monotonic(), 0
+        for key, until in list(self._once.items()):
+            if until > now and (key / snap.MANIFEST).is_file():
+                continue
+            del self._once[key]
+            if key in self._takes:
+                continue  # also a template's: its VMMs stay
+            for entry in self._idle.pop(key, ()):
+                await self.discard(entry)
+                n += 1
         return n
 
     # -- sizing -----------------------------------------------------------------------------
@@ -266,9 +298,12 @@ class VMMPool(Generic[S]):
         return min(self.size, max(1, recent))
 
     def _next_to_make(self) -> Path | None:
-        """The snapshot furthest below its target that fits the memory budget."""
+        """The template snapshot furthest below its target that fits the memory budget;
+        else a one-shot snapshot without its VMM, if the templates' shortfall leaves the
+        memory for it."""
         now = time.monotonic()
         best: tuple[int, Path] | None = None
+        shortfall_mb = 0
         for key in list(self._takes):
             if now - self._failed_at.get(key, -1e9) < _RETRY_AFTER_FAILURE_S:
                 continue
@@ -276,17 +311,29 @@ class VMMPool(Generic[S]):
             short = self.target(key, now) - have
             if short <= 0 or not (key / snap.MANIFEST).is_file():
                 continue
+            shortfall_mb += short * _memory_mib(key)
             if self.held_mb() + _memory_mib(key) > self.memory_mb:
                 continue
             if best is None or short > best[0]:
                 best = (short, key)
-        return best[1] if best else None
+        if best is not None:
+            return best[1]
+        for key, until in self._once.items():
+            if until <= now or self._idle.get(key) or self._making.get(key):
+                continue
+            if now - self._failed_at.get(key, -1e9) < _RETRY_AFTER_FAILURE_S:
+                continue
+            if self.held_mb() + shortfall_mb + _memory_mib(key) <= self.memory_mb:
+                return key
+        return None
 
     # -- filling ----------------------------------------------------------------------------
 
     async def _fill_loop(self) -> None:
         deferred_since: float | None = None
         while not self._closed:
+            if self._once:
+                await self._expire_once()
             key = self._next_to_make()
             if key is None:
                 self._wake.clear()

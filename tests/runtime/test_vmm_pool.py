@@ -213,3 +213,38 @@ async def test_close_ends_every_pooled_vmm_and_sweep_ends_those_a_crash_left(
     await asyncio.to_thread(wd.remove, entry.workdir)
     await asyncio.to_thread(entry.pre.process.close)
     await asyncio.to_thread(slot_pool.release, entry.slot)
+
+
+async def test_a_snapshot_wanted_once_gets_one_vmm_until_taken_or_its_time_is_up(
+        template, slot_pool, pool_dir) -> None:
+    """A paused sandbox's snapshot (``want_once``): one VMM, not made again once taken,
+    discarded when its time is up; and only with memory the templates' demand leaves."""
+    pool = make_pool(slot_pool, pool_dir, size=2, memory_mb=2 * GUEST_MIB)
+    pool.start()
+    try:
+        pool.want_once(template, 30)
+        await until(lambda: pool.idle(template) == 1, what="the one-shot VMM")
+        await asyncio.sleep(0.5)
+        assert pool.idle(template) == 1 and pool.target(template.resolve()) == 0
+        await run_taken_once(pool, template)
+        await asyncio.sleep(1.0)
+        assert pool.idle(template) == 0, "a one-shot snapshot was pre-started again"
+        # Its time runs out before anyone takes it: discarded.
+        pool.want_once(template, 1.5)
+        await until(lambda: pool.idle(template) == 1, what="the second one-shot VMM")
+        await until(lambda: pool.idle(template) == 0, 10, "its expiry")
+        assert pool.stats["discarded"] >= 1
+    finally:
+        await pool.close()
+
+
+async def run_taken_once(pool: VMMPool[NetworkSlot], template: Path) -> None:
+    entry = await pool.take(template, once=True)
+    assert entry is not None
+    vm = await pool.runtime.activate(entry.pre)
+    try:
+        await wait_for_envd(Guest.envd_url(entry.slot.host_ip), 60, vm=vm)
+    finally:
+        await vm.stop()
+        await asyncio.to_thread(wd.remove, vm.workdir)
+        await pool._release(entry.slot)

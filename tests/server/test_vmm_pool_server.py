@@ -2,7 +2,8 @@
 API and the E2B SDK: after a first create from base the node keeps VMMs waiting for base's
 state, the next create takes one (its ``Server-Timing`` names ``pool`` and reports the
 ``host`` share); a pooled VMM killed with SIGKILL does not fail the create that would have
-taken it; pooled VMMs of a snapshot template are discarded once the template is deleted
+taken it; a resume soon after a pause takes a VMM pre-started for the paused sandbox;
+pooled VMMs of a snapshot template are discarded once the template is deleted
 and its files collected; a clean stop ends every pooled VMM and a ``kill -9`` of the server
 leaves them to the next start, which ends them — while sandboxes made from pooled VMMs are
 re-attached both times and keep running commands. ``serving`` fails the test if any
@@ -141,6 +142,23 @@ def test_pooled_vmms_of_a_deleted_template_are_discarded(srv) -> None:
         assert api.delete(f"/templates/{snap}").status_code == 204
         waiting(srv, lambda p: not set(of_snapshot) & set(p), "the snapshot's VMMs to go")
         assert all(s in base for s in pooled(srv).values())
+
+
+def test_a_resume_soon_after_a_pause_takes_the_vmm_prestarted_for_it(srv) -> None:
+    with srv.api() as api:
+        base = set(waiting(srv, lambda p: len(p) >= 1, "pre-started VMMs of base").values())
+        sid, _, _ = create(api)
+        Sandbox.connect(sid).commands.run("echo paused > /home/user/mark")
+        assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
+        waiting(srv, lambda p: bool(set(p.values()) - base), "a VMM of the paused sandbox")
+        r = api.post(f"/v2/sandboxes/{sid}/connect", json={"timeout": 600})
+        assert r.status_code == 201, r.text
+        phases = parse_server_timing(r.headers["server-timing"])
+        assert "pool" in phases and "vmm" not in phases, phases
+        runs_commands(sid, "paused")
+        time.sleep(1.5)  # taken once: no VMM of that snapshot is made again
+        assert set(pooled(srv).values()) <= base
+        assert api.delete(f"/sandboxes/{sid}").status_code == 204
 
 
 def test_restarts_end_pooled_vmms_and_readopt_sandboxes_made_from_them(srv) -> None:
