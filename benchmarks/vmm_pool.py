@@ -20,9 +20,9 @@ VMs come and go on these 2 cores). Over one keep-alive connection per server (ht
   that took a pre-started VMM (their Server-Timing has ``pool``); ``init_again``: the
   same ``/init`` sent again right after (through the proxy: one more hop), to a guest whose
   code TCG has translated by then — how much of ``create_guest`` is a cold guest;
-- ``resume``: pause (``POST .../pause``) then ``POST /v2/.../connect`` of one sandbox,
-  ``--n`` times; a paused sandbox's snapshot is its own, so the pool has none waiting
-  for it (both modes restore afresh) — measured to show that;
+- ``resume``: pause (``POST .../pause``), ``--resume-after`` seconds, then ``POST
+  /v2/.../connect`` of one sandbox, ``--n`` times; with the pool on, the node pre-starts a
+  VMM for the paused sandbox after the pause (one, for 60 s), which the resume takes;
 - ``fork16``: ``POST .../fork {"count": 16}`` of a quiet sandbox (a file written, no
   process), ``--forks`` rounds, children killed between rounds; each fork's capture is
   new, so no pooled VMM can be waiting for it either.
@@ -107,11 +107,12 @@ class Mode:
                 f"/init again {again:.0f})")
         return sid
 
-    def resume(self) -> None:
+    def resume(self, after: float) -> None:
         if self.resume_sid is None:
             self.resume_sid = self.create(False)
         sid = self.resume_sid
         timed_post(self.api, f"/sandboxes/{sid}/pause", {}, 204)
+        time.sleep(after)
         r, ms = timed_post(self.api, f"/v2/sandboxes/{sid}/connect", {"timeout": 600}, 201)
         self.add("resume", ms)
         self.phases.setdefault("resume", []).append(phases(r))
@@ -164,7 +165,7 @@ def interleaved(modes: list[Mode], args: argparse.Namespace) -> None:
             time.sleep(args.gap)
     for i in range(args.n):
         for m in modes if i % 2 == 0 else modes[::-1]:
-            m.resume()
+            m.resume(args.resume_after)
             time.sleep(args.gap)
     for m in modes:
         if m.resume_sid is not None:
@@ -252,6 +253,8 @@ def main() -> None:
     ap.add_argument("--forks", type=int, default=5, help="fork x16 rounds per mode")
     ap.add_argument("--gap", type=float, default=0.5,
                     help="seconds of quiet after each create and resume (both modes)")
+    ap.add_argument("--resume-after", type=float, default=1.0,
+                    help="seconds between a pause and its resume (both modes)")
     ap.add_argument("--pool-size", type=int, default=4)
     ap.add_argument("--net", type=int, default=107,
                     help="second octet of the servers' host (10.N.0/24) and veth ranges")
