@@ -22,6 +22,7 @@ from .api.auth import load_api_key
 from .cluster.drain import drain_router
 from .cluster.node_agent import PublishAfterChange
 from .cluster.node_setup import node_agent
+from .cluster.owners import owner_router
 from .config import Settings
 from .egress.setup import node_proxy
 from .envd.signing import Operation
@@ -137,7 +138,9 @@ class Server:
             builder=self.builder, upload_secret=self.api_key.encode(),
             cluster_secret=settings.cluster_secret if settings.cluster else None,
             secret_store=self.secrets,
-            extra_routers=(drain_router(self.cluster),) if self.cluster else (),
+            extra_routers=(drain_router(self.cluster),
+                           owner_router(self._signed_lookup, self._token_lookup))
+            if self.cluster else (),
             volume_service=self.volumes,
         )
         if self.cluster is not None:

@@ -13,7 +13,7 @@ One listener, as a node has (``aenv.proxy.front.Front`` decides per request):
   concurrent requests wait for the one resume. A route found is reused for
   ``ROUTE_CACHE_S`` (1 s).
   Signed ``/files`` URLs and token-only envd calls need the sandbox's token, which a
-  gateway does not have: they are not routed (yet).
+  gateway does not have: it asks the nodes whose they are (``owners``), then routes them.
 - REST, after the client's ``X-API-KEY`` is checked against the gateway's key:
   ``POST /sandboxes`` (and ``/v2/sandboxes``) goes to the best node
   (``scheduling.candidates``: ready, with room in every budget it publishes, least full
@@ -71,11 +71,11 @@ from ..api.auth import ApiKeyMiddleware
 from ..api.errors import ApiError
 from ..api.listing import DEFAULT_LIMIT, decode_cursor
 from ..client.http import plain_client
-from ..envd.signing import Operation
 from ..orchestrator.template_records import BASE_TEMPLATE
 from ..proxy import ProxyRouter, Route, RouteTable
 from ..proxy.front import Front
 from ..storage.shared_store import incompatibilities
+from .owners import Owners
 from .registry import NodeStatus, Registry
 from .scheduling import Ask, candidates
 from .trust import SECRET_HEADER
@@ -162,8 +162,10 @@ class Gateway:
         self._routes: dict[str, tuple[float, Route]] = {}  # sandbox id -> (until, route)
         self._resuming: dict[str, asyncio.Task[bool]] = {}  # by traffic, per sandbox id
         rest = ApiKeyMiddleware(self._rest, api_key)
-        self.app: ASGIApp = _Lifespan(Front(rest, self.proxy, _no_signed, _no_token),
-                                      self.close)
+        # Signed /files URLs and token-only envd calls name no sandbox: the nodes say whose.
+        self.owners = Owners(registry, self.http, self.secret)
+        self.app: ASGIApp = _Lifespan(
+            Front(rest, self.proxy, self.owners.signed, self.owners.token), self.close)
 
     async def close(self) -> None:
         for task in list(self._resuming.values()):
@@ -666,15 +668,6 @@ async def _body(receive: Receive) -> bytes | None:
         if not msg.get("more_body", False):
             break
     return b"".join(chunks)
-
-
-async def _no_signed(path: str, op: Operation, user: str | None, signature: str,
-                     expiration: str | None) -> str | None:
-    return None  # signed URLs need the sandbox's token, which only its node has
-
-
-async def _no_token(token: str) -> str | None:
-    return None
 
 
 class _Lifespan:

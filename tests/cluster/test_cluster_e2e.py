@@ -515,3 +515,39 @@ def test_a_node_sent_sigterm_drains_while_its_sandboxes_run(cluster: Cluster) ->
             with contextlib.suppress(Exception):
                 s.kill()
     assert cluster.statuses() == {"c1": "ready", "c2": "ready"}
+
+
+def test_signed_file_urls_and_token_only_calls_work_through_the_gateway(
+        cluster: Cluster) -> None:
+    """The SDK's download_url/upload_url carry no routing headers, only a signature that
+    the sandbox's envd token reproduces; token-only envd calls carry only the token. The
+    gateway has neither: it asks its nodes whose they are (``aenv.cluster.owners``)."""
+    made = [Sandbox.create("base", secure=True) for _ in range(2)]
+    try:
+        assert {cluster.node_of(s.sandbox_id) for s in made} == {"c1", "c2"}
+        for s in made:
+            home = cluster.node_of(s.sandbox_id)
+            s.files.write("/home/user/signed.txt", f"kept on {home}")
+            url = s.download_url("/home/user/signed.txt", use_signature_expiration=120)
+            assert url.startswith(cluster.gateway_url) and "signature=" in url
+            r = httpx.get(url, timeout=60)
+            assert r.status_code == 200 and r.text == f"kept on {home}", r.text
+            up = s.upload_url("/home/user/uploaded.txt")
+            r = httpx.post(up, files={"file": ("uploaded.txt", f"to {home}".encode())},
+                           timeout=60)
+            assert r.status_code == 200, r.text
+            assert s.files.read("/home/user/uploaded.txt") == f"to {home}"
+            token = s._envd_access_token
+            assert token
+            r = httpx.get(cluster.gateway_url + "/files", params={"path": "/home/user/signed.txt",
+                                                                   "username": "user"},
+                          headers={"X-Access-Token": token}, timeout=60)
+            assert r.status_code == 200 and r.text == f"kept on {home}", r.text
+        # a signature no sandbox made reaches nothing
+        bad = made[0].download_url("/home/user/signed.txt").replace("signature=v1_",
+                                                                    "signature=v1_x")
+        assert httpx.get(bad, timeout=60).status_code == 502
+    finally:
+        for s in made:
+            with contextlib.suppress(Exception):
+                s.kill()
