@@ -109,18 +109,36 @@ def original_port(sock: socket.socket) -> int | None:
     return port
 
 
+async def _readable(sock: socket.socket, timeout: float) -> None:
+    """Until ``sock`` has something to read (or ``timeout`` passes: TimeoutError)."""
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_reader(sock.fileno(), wake)
+    try:
+        await asyncio.wait_for(ready, timeout)
+    finally:
+        loop.remove_reader(sock.fileno())
+
+
 async def _peek(sock: socket.socket, parse: Callable[[bytes], object]) -> object:
     """``parse`` of the bytes waiting on ``sock``, peeked (left for whoever reads next)
-    until ``parse`` stops raising NeedMore."""
+    until ``parse`` stops raising NeedMore. Woken by readability while nothing waits;
+    while a part waits (the socket stays readable) it looks again every 5 ms."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + PEEK_TIMEOUT_S
-    seen = -1
+    seen = 0
     while True:
         try:
             data = sock.recv(sniff.MAX_HEAD, socket.MSG_PEEK)
-        except BlockingIOError:  # nothing (more) yet
-            await asyncio.sleep(0.005)
-            if loop.time() > deadline:
+        except BlockingIOError:  # nothing yet
+            try:
+                await _readable(sock, max(0.0, deadline - loop.time()))
+            except TimeoutError:
                 raise Refused("nothing sent") from None
             continue
         if not data:
@@ -229,6 +247,9 @@ class EgressProxy:
         loop = asyncio.get_running_loop()
         while True:
             conn, _ = await loop.sock_accept(listener)
+            # asyncio sets TCP_NODELAY only on sockets made with proto=IPPROTO_TCP; without
+            # it a TLS close_notify waits behind the answer for the guest's delayed ACK.
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._track(self._handle(conn, policy))
 
     async def _stop(self, key: str) -> None:

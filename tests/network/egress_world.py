@@ -15,9 +15,10 @@ from pathlib import Path
 from pyroute2 import IPRoute
 
 from aenv.egress.ca import EgressCA
+from aenv.network import NetworkSlot
 from aenv.network import netns as ns
 
-from .helpers import Server
+from .helpers import FakeGuest, Server, open_tap
 
 NAMES = ("allowed.aes.test", "api.aes.test", "plain.aes.test", "wild.aes.test",
          "a.wild.aes.test", "b.c.wild.aes.test", "denied.aes.test")
@@ -61,6 +62,42 @@ class Echo(Server):
             pass
         finally:
             conn.close()
+
+
+class Guest(FakeGuest):
+    """The stand-in guest (``helpers.FakeGuest``) in the namespace ``netns``; requests
+    go to ``target`` unless told otherwise."""
+
+    def __init__(self, slot: NetworkSlot, netns: str, target: str) -> None:
+        self.slot, self.netns, self.target = slot, netns, target
+        self._fds: list[int] = []
+        self._stop_r, self._stop_w = os.pipe()
+        try:
+            self._fds.append(ns.create(self.netns, self._setup))
+            self._fds.append(ns.run_in(slot.netns, lambda: open_tap(slot.tap_name)))
+        except BaseException:
+            self.close()
+            raise
+        self._thread = threading.Thread(target=self._relay, daemon=True)
+        self._thread.start()
+
+    def request(self, host: str, *, port: int = 80, tls: ssl.SSLContext | None = None,
+                to: str | None = None, sni: str | None = None) -> bytes:
+        """The raw answer to ``GET /`` with ``Host: host`` sent from the guest to
+        ``to``:``port`` (the slot redirects 80/443 whatever the address)."""
+        def go() -> bytes:
+            s = socket.create_connection((to or self.target, port), timeout=5)
+            try:
+                if tls is not None:
+                    s = tls.wrap_socket(s, server_hostname=sni or host)
+                s.sendall(f"GET / HTTP/1.1\r\nHost: {host}\r\nUser-Agent: t\r\n\r\n".encode())
+                out = b""
+                while chunk := s.recv(65536):
+                    out += chunk
+                return out
+            finally:
+                s.close()
+        return ns.run_in(self.netns, go)
 
 
 class Internet:

@@ -34,49 +34,14 @@ from aenv.network.addressing import Addressing
 from aenv.network.egress_guard import upstream_refused
 from aenv.network.policy import DEFAULT_POLICY, EgressPolicy, header_rules
 
-from .egress_world import Internet
-from .helpers import FakeGuest, make_settings, open_tap
+from .egress_world import Guest, Internet
+from .helpers import make_settings
 
 pytestmark = pytest.mark.net
 
 PREFIX = "aes"
 INET_HOST_IP, INET_IP = "10.125.2.1", "10.125.2.2"
 SECRET = "s3cr3t-token-value"
-
-
-class Guest(FakeGuest):
-    """The stand-in guest with this file's names."""
-
-    def __init__(self, slot: NetworkSlot) -> None:
-        self.slot, self.netns = slot, f"{PREFIX}-g{slot.index}"
-        self._fds: list[int] = []
-        self._stop_r, self._stop_w = os.pipe()
-        try:
-            self._fds.append(ns.create(self.netns, self._setup))
-            self._fds.append(ns.run_in(slot.netns, lambda: open_tap(slot.tap_name)))
-        except BaseException:
-            self.close()
-            raise
-        self._thread = threading.Thread(target=self._relay, daemon=True)
-        self._thread.start()
-
-    def request(self, host: str, *, port: int = 80, tls: ssl.SSLContext | None = None,
-                to: str = INET_IP, sni: str | None = None) -> bytes:
-        """The raw answer to ``GET /`` with ``Host: host`` sent from the guest to
-        ``to``:``port`` (the slot redirects 80/443 whatever the address)."""
-        def go() -> bytes:
-            s = socket.create_connection((to, port), timeout=5)
-            try:
-                if tls is not None:
-                    s = tls.wrap_socket(s, server_hostname=sni or host)
-                s.sendall(f"GET / HTTP/1.1\r\nHost: {host}\r\nUser-Agent: t\r\n\r\n".encode())
-                out = b""
-                while chunk := s.recv(65536):
-                    out += chunk
-                return out
-            finally:
-                s.close()
-        return ns.run_in(self.netns, go)
 
 
 class World:
@@ -95,7 +60,7 @@ class World:
         self.thread.start()
         asyncio.run_coroutine_threadsafe(self.proxy.start(), self.loop).result(5)
         self.slot = NetworkSlot.create(self.addressing, 1, egress=self.proxy)
-        self.guest = Guest(self.slot)
+        self.guest = Guest(self.slot, f"{PREFIX}-g1", INET_IP)
 
     def guest_call(self, fn):  # type: ignore[no-untyped-def]
         return ns.run_in(self.guest.netns, fn)
