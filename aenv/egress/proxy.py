@@ -336,7 +336,9 @@ class EgressProxy:
             def fill(m: re.Match[str]) -> str:
                 secret = self._secret(m.group(1))
                 if secret is None:
-                    raise _MissingSecret(m.group(1))
+                    raise _SecretError(f"unknown secret {m.group(1)}")
+                if any(c in secret for c in "\r\n\0"):  # would split the header
+                    raise _SecretError(f"secret {m.group(1)} cannot go in a header")
                 return secret
             out.append((key, _SECRET.sub(fill, value)))
         return tuple(out)
@@ -348,6 +350,8 @@ class EgressProxy:
         try:
             if not name:
                 raise Refused("request without a Host")
+            if head.target_host not in (None, name):
+                raise Refused(f"the request names {head.target_host}, its Host {name}")
             addresses = await self._upstream_addr(name, policy)
             headers = self._headers(policy, name)
         except Refused as e:
@@ -355,8 +359,8 @@ class EgressProxy:
             await writer.drain()
             writer.close()
             return
-        except _MissingSecret as e:
-            writer.write(_answer(502, "Bad Gateway", f"aenv egress: unknown secret {e}"))
+        except _SecretError as e:
+            writer.write(_answer(502, "Bad Gateway", f"aenv egress: {e}"))
             await writer.drain()
             writer.close()
             return
@@ -388,7 +392,7 @@ class EgressProxy:
             head = sniff.request_head(raw)
         except (sniff.NeedMore, sniff.NotParsable):
             raise Refused(f"{name}: not an HTTP/1 request inside TLS") from None
-        if head.host != name:
+        if head.host != name or head.target_host not in (None, name):
             writer.write(_answer(421, "Misdirected Request",
                                  f"aenv egress: Host {head.host} on a connection for {name}"))
             await writer.drain()
@@ -396,8 +400,8 @@ class EgressProxy:
             return
         try:
             headers = self._headers(policy, name)
-        except _MissingSecret as e:
-            writer.write(_answer(502, "Bad Gateway", f"aenv egress: unknown secret {e}"))
+        except _SecretError as e:
+            writer.write(_answer(502, "Bad Gateway", f"aenv egress: {e}"))
             await writer.drain()
             writer.close()
             return
@@ -406,7 +410,7 @@ class EgressProxy:
         await _splice((reader, writer), up)
 
 
-class _MissingSecret(Exception):
+class _SecretError(Exception):
     pass
 
 

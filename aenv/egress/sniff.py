@@ -86,6 +86,20 @@ class RequestHead:
                 return name.rsplit(":", 1)[0].rstrip(".") if ":" in name else name.rstrip(".")
         return None
 
+    @property
+    def target_host(self) -> str | None:
+        """The host of an absolute-form target (``GET http://h/p``), which a server obeys
+        rather than the Host header; None for the usual origin form."""
+        t = self.target.lower()
+        for scheme in ("http://", "https://"):
+            if t.startswith(scheme):
+                authority = t[len(scheme):].split("/", 1)[0].split("?", 1)[0]
+                authority = authority.rsplit("@", 1)[-1]
+                if authority.startswith("["):
+                    return authority.split("]")[0] + "]"
+                return authority.rsplit(":", 1)[0].rstrip(".")
+        return None
+
     def render(self, set_headers: tuple[tuple[str, str], ...] = (),
                close: bool = False) -> bytes:
         """The head again, ``set_headers`` replacing those of the same name (case-blind),

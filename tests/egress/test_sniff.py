@@ -82,3 +82,12 @@ def test_an_incomplete_head_asks_for_more_up_to_a_limit() -> None:
         sniff.request_head(b"GET / HTTP/1.1\r\nHost: a")
     with pytest.raises(sniff.NotParsable):
         sniff.request_head(b"GET / HTTP/1.1\r\nX: " + b"a" * sniff.MAX_HEAD)
+
+
+@pytest.mark.parametrize("target, host", [
+    ("/x", None), ("*", None), ("http://A.com/x", "a.com"), ("https://u:p@b.com:8443?q", "b.com"),
+    ("http://[::1]:80/", "[::1]"), ("http://c.com.", "c.com"),
+])
+def test_the_host_an_absolute_target_names(target: str, host: str | None) -> None:
+    head = sniff.request_head(f"GET {target} HTTP/1.1\r\nHost: a.com\r\n\r\n".encode())
+    assert head.target_host == host

@@ -9,7 +9,8 @@ under deny-by-default (403 over HTTP, the TLS connection closed) and never reach
 server; ``*.`` wildcards match subdomains but not the apex; a Host that is the server's
 address, and a direct connection to another port of it, are refused; a transform's
 header with a secret reaches the server, and the guest's bytes never hold the secret;
-an unknown secret answers 502; the listener goes when the policy no longer needs it.
+an unknown secret, or one that would split a header, answers 502; an absolute request
+target must name the host its Host does; the listener goes when the policy no longer needs it.
 Names and addresses are this file's own: ``aes`` objects in 10.125.0.0/16.
 """
 
@@ -179,6 +180,33 @@ def test_a_secret_updated_applies_to_the_next_request(proxied: World) -> None:
         assert w.http.seen[-1]["x-key"] == "rotated"
     finally:
         w.secrets["tok"] = SECRET
+
+
+def test_an_absolute_target_must_name_the_host_that_was_judged(proxied: World) -> None:
+    """A server obeys ``GET http://other/`` over the Host header: the two must agree."""
+    def raw(target: str, host: str) -> bytes:
+        def go() -> bytes:
+            with socket.create_connection((INET_IP, 80), timeout=5) as s:
+                s.sendall(f"GET {target} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+                out = b""
+                while chunk := s.recv(65536):
+                    out += chunk
+                return out
+        return proxied.guest_call(go)
+
+    assert raw("http://denied.aes.test/", "allowed.aes.test").startswith(b"HTTP/1.1 403")
+    assert raw("http://allowed.aes.test/x", "allowed.aes.test").endswith(
+        b"ok allowed.aes.test\n")
+    assert [h["host"] for h in proxied.http.seen] == ["allowed.aes.test"]
+
+
+def test_a_secret_that_would_split_a_header_is_not_sent(proxied: World) -> None:
+    proxied.secrets["tok"] = "x\r\nX-Injected: 1"
+    try:
+        assert proxied.guest.request("plain.aes.test").startswith(b"HTTP/1.1 502")
+        assert proxied.http.seen == []
+    finally:
+        proxied.secrets["tok"] = SECRET
 
 
 def test_an_unknown_secret_answers_502(world: World) -> None:
