@@ -1,18 +1,22 @@
 """Stage the ``code-interpreter-v1`` build context on the host (aenv/interpreter/template.py).
 
 The libraries are installed here, for the guest's Python and platform, into
-``<cache dir>/interpreter-template/<key>/site``: ``key`` is a digest of the package list, the
-platforms, the guest's Python and the server's source, so a second build reuses the
-directory (and the server, seeing the same ``filesHash``, the uploaded archive) and a change
-to any of them stages afresh. Removing the cache directory is always safe.
+``<cache dir>/interpreter-template/<key>/site``, and Deno's binary (``npm pack`` of its
+platform package) into ``deno`` beside it: ``key`` is a digest of the package list, the
+platforms, the guest's Python and Deno's version, so a second build reuses both (and the
+server, seeing the same ``filesHash``, the uploaded archives) and a change to any of them
+stages afresh. The kernel specs (``jupyter``) and the server's source are written at every
+build (a few small files). Removing the cache directory is always safe.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 from pathlib import Path
 
@@ -31,7 +35,7 @@ def key() -> str:
     """The libraries' key: the package list, the platforms and the guest's Python."""
     h = hashlib.sha256()
     for part in (*template.PACKAGES, *template.PLATFORMS, *template.PRUNE_DIRS,
-                 template.GUEST_PYTHON):
+                 template.GUEST_PYTHON, template.DENO_PACKAGE, template.DENO_VERSION):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:16]
 
@@ -47,12 +51,15 @@ def pip_command(target: Path) -> list[str]:
 
 
 def stage(cache_dir: Path) -> Path:
-    """The build context directory: ``site`` (the libraries, staged once per ``key``) and
-    ``server/aenv`` (the server's source, refreshed on every build: a few small files)."""
+    """The build context directory: ``site`` and ``deno`` (staged once per ``key``),
+    ``jupyter`` and ``server/aenv`` (refreshed on every build: a few small files)."""
     root = cache_dir / "interpreter-template"
     context = root / key()
     if not (context / "site").is_dir():
         _stage_site(root, context)
+    if not (context / "deno" / "deno").is_file():
+        _stage_deno(context)
+    _write_kernel_specs(context / "jupyter")
     server = Path(tempfile.mkdtemp(prefix=".server-", dir=context))
     try:
         server.chmod(0o755)
@@ -90,6 +97,49 @@ def _stage_site(root: Path, context: Path) -> None:
         work.rename(context)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def npm_pack_command(dest: Path) -> list[str]:
+    return ["npm", "pack", "--silent", "--pack-destination", str(dest),
+            f"{template.DENO_PACKAGE}@{template.DENO_VERSION}"]
+
+
+def _stage_deno(context: Path) -> None:
+    """``deno/deno`` from the npm registry's tarball of Deno's linux-x64 package."""
+    if shutil.which("npm") is None:
+        raise RuntimeError("staging the code interpreter's JavaScript kernel needs npm "
+                           "(./scripts/setup.sh installs it)")
+    work = Path(tempfile.mkdtemp(prefix=".deno-", dir=context))
+    try:
+        proc = subprocess.run(npm_pack_command(work), capture_output=True, text=True,
+                              check=False, timeout=600)
+        tarballs = sorted(work.glob("*.tgz"))
+        if proc.returncode != 0 or not tarballs:
+            raise RuntimeError(f"npm pack {template.DENO_PACKAGE} failed:\n"
+                               + (proc.stderr or proc.stdout)[-4000:])
+        out = work / "deno"
+        out.mkdir(mode=0o755)
+        with tarfile.open(tarballs[0]) as tar:
+            member = tar.getmember("package/deno")
+            src = tar.extractfile(member)
+            assert src is not None
+            with open(out / "deno", "wb") as f:
+                shutil.copyfileobj(src, f)
+        (out / "deno").chmod(0o755)
+        out.rename(context / "deno")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _write_kernel_specs(jupyter: Path) -> None:
+    shutil.rmtree(jupyter, ignore_errors=True)  # a kernel taken out of the definition goes
+    for name, spec in template.KERNELS.items():
+        d = jupyter / "kernels" / name
+        d.mkdir(parents=True, exist_ok=True)
+        for p in (jupyter, jupyter / "kernels", d):
+            p.chmod(0o755)
+        (d / "kernel.json").write_text(json.dumps(spec, indent=1, sort_keys=True) + "\n")
+        (d / "kernel.json").chmod(0o644)
 
 
 def recipe() -> Recipe:

@@ -26,15 +26,23 @@ def main(argv: list[str] | None = None) -> None:
                         help="comma-separated languages whose default context starts at once")
     parser.add_argument("--envd-envs-url", default=ENVD_ENVS_URL,
                         help="where the sandbox's env vars come from ('' for nowhere)")
+    parser.add_argument("--jupyter-path", default="",
+                        help="a directory put first on JUPYTER_PATH (its kernels/ are found)")
     parser.add_argument("--preload", default=None,
                         help="python run (hidden) in the default python context at start")
+    parser.add_argument("--warm-up", action="store_true",
+                        help="run one cell through the HTTP API before /health answers 200")
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper())
+    if args.jupyter_path:
+        os.environ["JUPYTER_PATH"] = os.pathsep.join(
+            p for p in (args.jupyter_path, os.environ.get("JUPYTER_PATH", "")) if p)
     cwd = args.cwd if os.path.isdir(args.cwd) else os.getcwd()
     kernels = Kernels(cwd, args.envd_envs_url or None)
     languages = tuple(x for x in args.languages.split(",") if x)
-    app = create_app(kernels, languages, args.preload)
+    app = create_app(kernels, languages, args.preload,
+                     warm_up_port=args.port if args.warm_up else None)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=5)
 

@@ -31,8 +31,8 @@ log = logging.getLogger("aenv.interpreter")
 ALIASES = {"": "python", "js": "javascript", "ts": "typescript", "sh": "bash"}
 KERNEL_SPECS = {
     "python": "python3",
-    "javascript": "javascript",
-    "typescript": "javascript",
+    "javascript": "deno",
+    "typescript": "deno",
     "bash": "bash",
     "r": "ir",
     "java": "java",
@@ -53,11 +53,17 @@ MIME_KEYS = {
     "e2b/chart": "chart",
 }
 KEEPALIVE_S = 5.0
+# A kernel start under TCG on a busy host: python's 20-30 s, Deno's about as long.
+KERNEL_READY_S = 180.0
 ENVD_ENVS_URL = "http://127.0.0.1:49983/envs"
 
 
 class UnknownLanguage(Exception):
     """No kernel for the language is installed here."""
+
+
+class KernelStartFailed(Exception):
+    """The language's kernel is installed but did not start (or never became ready)."""
 
 
 def normalise_language(language: str | None) -> str:
@@ -147,6 +153,9 @@ class Kernels:
         self.defaults: dict[str, str] = {}
         self._clients: dict[str, Any] = {}
         self._default_lock = asyncio.Lock()
+        # While set, cells run without history (the server's warm-up: no execution count
+        # taken, nothing in ``In``/``Out`` or the history database).
+        self.warming = False
 
     async def create(self, language: str | None = None, cwd: str | None = None) -> Context:
         language = normalise_language(language)
@@ -162,14 +171,18 @@ class Kernels:
                 f"no kernel for language {language!r} is installed in this sandbox "
                 f"(kernel spec {spec!r} not found; installed: {sorted(self._installed())})"
             ) from exc
+        except Exception as exc:
+            raise KernelStartFailed(f"the {language} kernel did not start: {exc}") from exc
         client = manager.client()
         client.start_channels()
         try:
-            await client.wait_for_ready(timeout=120)
-        except Exception:
+            await client.wait_for_ready(timeout=KERNEL_READY_S)
+        except Exception as exc:
             client.stop_channels()
-            await manager.shutdown_kernel(now=True)
-            raise
+            with contextlib.suppress(Exception):
+                await manager.shutdown_kernel(now=True)
+            raise KernelStartFailed(
+                f"the {language} kernel did not become ready: {exc!r}") from exc
         ctx = Context(id=str(uuid.uuid4()), language=language, cwd=cwd, manager=manager)
         self._clients[ctx.id] = client
         self.contexts[ctx.id] = ctx
@@ -181,13 +194,18 @@ class Kernels:
         return list(KernelSpecManager().find_kernel_specs())
 
     async def default(self, language: str | None) -> Context:
+        """The language's default context. Languages that run on one kernel spec share it:
+        javascript and typescript get one Deno kernel (two Deno runtimes do not fit the
+        default guest's memory beside the python and bash kernels: the kernel killed was
+        seen as a 500 or a restarted context)."""
         language = normalise_language(language)
+        key = KERNEL_SPECS.get(language, language)
         async with self._default_lock:
-            ctx_id = self.defaults.get(language)
+            ctx_id = self.defaults.get(key)
             if ctx_id is not None and ctx_id in self.contexts:
                 return self.contexts[ctx_id]
             ctx = await self.create(language)
-            self.defaults[language] = ctx.id
+            self.defaults[key] = ctx.id
             return ctx
 
     async def preload(self, ctx: Context, code: str) -> None:
@@ -199,11 +217,23 @@ class Kernels:
                                     "try:\n    __aenv_preload()\nfinally:\n"
                                     "    del __aenv_preload\n")
 
+    async def forget_warm_up(self, ctx: Context) -> None:
+        """After the warm-up cell: clear the display hook's cache (``_``, ``Out``) and fetch
+        the sandbox's env vars again at the next run (the warm-up fetched the build's)."""
+        async with ctx.lock:
+            if ctx.language == "python":
+                # flush() empties Out and sets _, __, ___ to ''; the hidden namespace must
+                # agree, or IPython takes them for the user's and stops updating them.
+                await self._hidden(ctx, "get_ipython().displayhook.flush(); "
+                                        "get_ipython().user_ns_hidden.update("
+                                        "_='', __='', ___='')")
+            ctx.sandbox_envs_loaded = False
+
     async def restart(self, ctx: Context) -> None:
         ctx.restarting = True
         try:
             await ctx.manager.restart_kernel(now=True)
-            await self._clients[ctx.id].wait_for_ready(timeout=120)
+            await self._clients[ctx.id].wait_for_ready(timeout=KERNEL_READY_S)
             ctx.sandbox_envs_loaded = False
         finally:
             ctx.restarting = False
@@ -323,7 +353,8 @@ class Kernels:
         self, ctx: Context, client: Any, code: str,
         lines: asyncio.Queue[dict[str, Any] | None],
     ) -> None:
-        msg_id = client.execute(code, allow_stdin=False, stop_on_error=True)
+        msg_id = client.execute(code, allow_stdin=False, stop_on_error=True,
+                                store_history=not self.warming)
         while True:
             try:
                 msg = await client.get_iopub_msg(timeout=1.0)

@@ -3,12 +3,21 @@
 ``POST /execute`` takes ``{"code", "context_id"?, "language"?, "env_vars"?}`` (the Python SDK
 sends every key, ``null`` when unset; the JS SDK leaves them out) and answers 200 with one
 ASCII JSON object per line; ``/contexts`` answers ``{"id", "language", "cwd"}`` objects.
+
+With ``warm_up_port`` the server, once listening, sends itself one ``POST /execute`` over
+loopback and answers ``/health`` 503 until that is done. The template's ready check is
+``/health``, so the snapshot holds a server and kernel that have run a cell through every
+layer (uvicorn's POST path, Starlette's streaming response and the anyio backend it imports
+on first use, the env-var fetch, the kernel's display hook): without it a restored
+sandbox's first ``run_code`` paid 1-2 s of such first-use work under TCG (issue 19).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -18,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .kernels import Kernels, UnknownLanguage, normalise_language
+from .kernels import Context, Kernels, KernelStartFailed, UnknownLanguage, normalise_language
 
 log = logging.getLogger("aenv.interpreter")
 
@@ -37,10 +46,56 @@ async def _body(request: Request) -> dict[str, Any]:
     return data
 
 
+WARM_UP_CODE = "1 + 1"
+
+
+async def _post_to_self(port: int, path: str, body: dict[str, Any]) -> bytes:
+    """One HTTP/1.1 request to this server on loopback, retried until it listens; the
+    response's raw bytes."""
+    data = json.dumps(body).encode()
+    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+            "Connection: close\r\n\r\n").encode()
+    for _ in range(600):
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            break
+        except OSError:
+            await asyncio.sleep(0.1)
+    else:
+        raise TimeoutError(f"the server did not listen on {port}")
+    try:
+        writer.write(head + data)
+        await writer.drain()
+        return await reader.read()
+    finally:
+        writer.close()
+
+
 def create_app(kernels: Kernels, start_languages: tuple[str, ...] = ("python",),
-               preload: str | None = None) -> Starlette:
+               preload: str | None = None, warm_up_port: int | None = None) -> Starlette:
+    warmed = asyncio.Event()
+    if warm_up_port is None:
+        warmed.set()
+
+    async def warm_up(ctx: Context) -> None:
+        started = time.monotonic()
+        try:
+            kernels.warming = True
+            out = await _post_to_self(warm_up_port or 0, "/execute", {"code": WARM_UP_CODE})
+            if b'"result"' not in out:
+                log.warning("warm-up execution gave no result: %r", out[-500:])
+            await kernels.forget_warm_up(ctx)
+            log.info("warmed up in %.0f ms", (time.monotonic() - started) * 1000)
+        except Exception:
+            log.exception("warm-up failed (the server still serves, unwarmed)")
+        finally:
+            kernels.warming = False
+            warmed.set()
+
     @asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        tasks = []
         for language in start_languages:
             try:
                 ctx = await kernels.default(language)
@@ -49,12 +104,20 @@ def create_app(kernels: Kernels, start_languages: tuple[str, ...] = ("python",),
                 continue
             if preload and ctx.language == "python":
                 await kernels.preload(ctx, preload)
+            if warm_up_port is not None and ctx.language == "python":
+                tasks.append(asyncio.create_task(warm_up(ctx)))
+        if not tasks:
+            warmed.set()
         try:
             yield
         finally:
+            for task in tasks:
+                task.cancel()
             await kernels.shutdown()
 
     async def health(_: Request) -> Response:
+        if not warmed.is_set():
+            return PlainTextResponse("warming up", status_code=503)
         return PlainTextResponse("OK")
 
     async def execute(request: Request) -> Response:
@@ -81,6 +144,8 @@ def create_app(kernels: Kernels, start_languages: tuple[str, ...] = ("python",),
                 ctx = await kernels.default(language)
             except UnknownLanguage as exc:
                 return PlainTextResponse(str(exc), status_code=400)
+            except KernelStartFailed as exc:
+                return PlainTextResponse(str(exc), status_code=500)
         token = request.headers.get("x-access-token")
         lines = kernels.execute(ctx, code, {str(k): str(v) for k, v in envs.items()}, token)
 
@@ -101,6 +166,8 @@ def create_app(kernels: Kernels, start_languages: tuple[str, ...] = ("python",),
             return PlainTextResponse(str(exc), status_code=400)
         except NotADirectoryError as exc:
             return PlainTextResponse(str(exc), status_code=400)
+        except KernelStartFailed as exc:
+            return PlainTextResponse(str(exc), status_code=500)
         return JSONResponse(ctx.describe())
 
     async def list_contexts(_: Request) -> Response:

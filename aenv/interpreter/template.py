@@ -9,6 +9,15 @@ see the same libraries. Installing wheels inside an emulated guest is what this 
 as the libraries' COPY comes first, the server lays them into a copy of the base image on
 the host (cached by their ``filesHash``) instead of pushing them through the guest.
 
+Kernels besides python: ``bash`` (bash_kernel, from PyPI) and ``javascript``/``typescript``
+(Deno's built-in Jupyter kernel: one static binary from npm, ``@deno/linux-x64-glibc``, so
+the guest needs no Node.js or native zeromq build). Their kernel specs (``KERNELS``) go to
+``JUPYTER_DIR``, which the server puts on ``JUPYTER_PATH``. The default bash context starts
+before the snapshot with python's (a kernel start costs 20-30 s under TCG, its memory a few
+tens of MB); Deno's, larger, starts on first use (about 25 s under TCG). R (Debian's
+r-base and r-cran-irkernel) and Java (IJava ships on GitHub only) are not installed: the
+server answers 400 naming the installed kernels.
+
 The build (``aenv template build code-interpreter-v1``) starts the server as the template's
 user in ``/home/user`` and snapshots it ready, so a create restores a running kernel.
 """
@@ -36,7 +45,23 @@ PACKAGES = (
     "requests",
     "beautifulsoup4",
     "openpyxl",
+    "bash_kernel",
 )
+# Deno (its Jupyter kernel runs JavaScript and TypeScript), pinned so the staged copy is
+# keyed by its version.
+DENO_PACKAGE = "@deno/linux-x64-glibc"
+DENO_VERSION = "2.9.6"
+DENO_DIR = "/opt/aenv-interpreter/deno"
+JUPYTER_DIR = "/opt/aenv-interpreter/jupyter"
+# Kernel specs (``<JUPYTER_DIR>/kernels/<name>/kernel.json``). NO_COLOR: Deno colours the
+# values it prints, and a result's ``text`` must be plain.
+KERNELS: dict[str, dict[str, object]] = {
+    "bash": {"argv": ["python3", "-m", "bash_kernel", "-f", "{connection_file}"],
+             "display_name": "Bash", "language": "bash", "env": {"PS1": "$"}},
+    "deno": {"argv": [f"{DENO_DIR}/deno", "jupyter", "--kernel", "--conn",
+                      "{connection_file}"],
+             "display_name": "Deno", "language": "typescript", "env": {"NO_COLOR": "1"}},
+}
 # manylinux tags the guest's glibc (bookworm: 2.36) runs, newest first.
 PLATFORMS = tuple(f"{tag}_x86_64" for tag in (
     "manylinux_2_36", "manylinux_2_35", "manylinux_2_34", "manylinux_2_31", "manylinux_2_28",
@@ -50,13 +75,15 @@ PRUNE_DIRS = ("tests",)
 # does), so a sandbox's first ``import pandas`` or plot does not pay for it under emulation.
 PRELOAD = "import numpy, pandas, matplotlib.pyplot"
 START_CMD = (f"python3 -m aenv.interpreter --host 0.0.0.0 --port 49999 --cwd {HOME}"
-             f" --preload '{PRELOAD}' --log-level warning")
+             f" --jupyter-path {JUPYTER_DIR} --languages python,bash"
+             f" --preload '{PRELOAD}' --warm-up --log-level warning")
 READY_CMD = "curl -sf http://127.0.0.1:49999/health"
 
 
 def dockerfile() -> str:
-    """The build steps; the context directory holds ``site`` (the staged libraries) and
-    ``server/aenv`` (``aenv/__init__.py`` and ``aenv/interpreter``)."""
+    """The build steps; the context directory holds ``site`` (the staged libraries),
+    ``deno`` (its binary), ``jupyter`` (the kernel specs) and ``server/aenv``
+    (``aenv/__init__.py`` and ``aenv/interpreter``)."""
     return "\n".join([
         "FROM base",
         # First, as root, to a new path: the server lays the libraries into a copy of the
@@ -65,6 +92,8 @@ def dockerfile() -> str:
         # (small, and new at every change to it) comes after a RUN, so through the guest:
         # the cached image changes only with the libraries.
         f"COPY site {SITE}",
+        f"COPY deno {DENO_DIR}",
+        f"COPY jupyter {JUPYTER_DIR}",
         f"RUN python3 -c 'import sys; v = \"%d.%d\" % sys.version_info[:2]; "
         f"assert v == \"{GUEST_PYTHON}\", \"the guest has Python \" + v'",
         f"COPY server/aenv {SITE}/aenv",

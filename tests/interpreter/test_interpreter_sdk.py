@@ -231,6 +231,25 @@ def test_one_cell_at_a_time_per_context(sbx: Sandbox) -> None:
     sbx.remove_code_context(ctx)
 
 
+def test_warm_up_runs_a_cell_and_leaves_no_trace(tmp_path: Path) -> None:
+    """--warm-up (the template's start command): /health waits for one cell sent through
+    the server's own HTTP API; the user's first cell still is number 1, with ``_`` and
+    ``Out`` empty, and ``_`` follows results afterwards."""
+    s = Server(tmp_path, "--warm-up")
+    try:
+        assert "warmed up in" in s.log_path.read_text()
+        config = ConnectionConfig(api_key="e2b_" + "0" * 40, sandbox_url=s.url)
+        sbx = Sandbox(sandbox_id="local", envd_version=Version("0.5.0"), envd_access_token=None,
+                      sandbox_domain=None, connection_config=config)
+        first = sbx.run_code("import os; print(os.getpid()); repr(_), len(Out), 6 * 7")
+        s.kernel_pids.add(int(first.logs.stdout[0]))
+        assert (first.execution_count, first.text) == (1, '("\'\'", 0, 42)')
+        again = sbx.run_code("_")
+        assert again.text == first.text and again.execution_count == 2
+    finally:
+        s.stop()
+
+
 def test_stop_leaves_no_kernel(tmp_path: Path) -> None:
     s = Server(tmp_path)
     try:
