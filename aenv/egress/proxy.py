@@ -50,6 +50,7 @@ from .ca import EgressCA
 log = logging.getLogger("aenv.egress")
 
 PEEK_TIMEOUT_S = 10.0
+MAX_CONNECTIONS_PER_SLOT = 512
 CONNECT_TIMEOUT_S = 10.0
 _SO_ORIGINAL_DST = 80
 # Accepted sockets a transport took over (it closes them).
@@ -199,6 +200,7 @@ class EgressProxy:
                                        asyncio.DatagramTransport | None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.connections = 0  # handled so far (tests, metrics)
+        self.refused = 0  # of them, or turned away at accept, refused
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -245,12 +247,26 @@ class EgressProxy:
         # Accepted by hand, not by asyncio.start_server: a stream would start reading
         # the socket at once, and the first bytes must be peeked, not taken.
         loop = asyncio.get_running_loop()
+        open_now = 0
+
+        async def one(conn: socket.socket) -> None:
+            nonlocal open_now
+            try:
+                await self._handle(conn, policy)
+            finally:
+                open_now -= 1
+
         while True:
             conn, _ = await loop.sock_accept(listener)
+            if open_now >= MAX_CONNECTIONS_PER_SLOT:  # one guest cannot hold the node's
+                self.refused += 1                     # memory and descriptors
+                conn.close()
+                continue
             # asyncio sets TCP_NODELAY only on sockets made with proto=IPPROTO_TCP; without
             # it a TLS close_notify waits behind the answer for the guest's delayed ACK.
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._track(self._handle(conn, policy))
+            open_now += 1
+            self._track(one(conn))
 
     async def _stop(self, key: str) -> None:
         entry = self._servers.pop(key, None)
@@ -277,9 +293,12 @@ class EgressProxy:
             else:
                 await self._tls(str(head), port, sock, policy())
         except Refused as e:
-            log.info("egress: refused %s", e)
+            self.refused += 1
+            log.debug("egress: refused %s", e)  # the guest decides how often: not info
         except (ConnectionError, OSError, ssl.SSLError, asyncio.IncompleteReadError) as e:
             log.debug("egress: connection ended: %s", e)
+        except Exception:
+            log.exception("egress: connection failed")
         finally:
             if writer is not None:
                 writer.close()

@@ -22,11 +22,13 @@ import socket
 import ssl
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from aenv.egress import proxy as proxy_module
 from aenv.egress.ca import EgressCA
 from aenv.egress.proxy import EgressProxy, Resolver
 from aenv.network import NetworkSlot, host, nft
@@ -207,6 +209,28 @@ def test_a_secret_that_would_split_a_header_is_not_sent(proxied: World) -> None:
         assert proxied.http.seen == []
     finally:
         proxied.secrets["tok"] = SECRET
+
+
+def test_a_guest_holds_at_most_so_many_connections(proxied: World,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(proxy_module, "MAX_CONNECTIONS_PER_SLOT", 3)
+    before = proxied.proxy.refused
+
+    def go() -> tuple[bytes, int]:
+        idle = [socket.create_connection((INET_IP, 80), timeout=5) for _ in range(3)]
+        try:
+            time.sleep(0.2)  # all three accepted and waiting for their first bytes
+            with socket.create_connection((INET_IP, 80), timeout=5) as extra:
+                got = extra.recv(100)  # closed at once (without the cap: a 5 s timeout)
+            time.sleep(0.1)
+            return got, proxied.proxy.refused - before  # the idle ones still open
+        finally:
+            for s in idle:
+                s.close()
+
+    assert proxied.guest_call(go) == (b"", 1)
+    time.sleep(0.2)
+    assert proxied.guest.request("allowed.aes.test").endswith(b"ok allowed.aes.test\n")
 
 
 def test_an_unknown_secret_answers_502(world: World) -> None:
