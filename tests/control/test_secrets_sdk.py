@@ -1,11 +1,14 @@
-"""E2B's Python SDK ``Secret`` against a real aenv server (host-process sandboxes): every
-method of spec part 2 section 4.4, and the exceptions the SDK raises from our answers."""
+"""E2B's Python and JavaScript SDKs' ``Secret`` against a real aenv server (host-process
+sandboxes): every method of spec part 2 section 4.4, and the exceptions the SDKs raise
+from our answers."""
 
 from __future__ import annotations
 
 import pytest
 from e2b import Secret
 from e2b.exceptions import SecretException, SecretNotFoundException
+
+from tests.conftest import ROOT, run_json_script
 
 
 def test_secret_crud_through_the_sdk(api_env) -> None:
@@ -38,3 +41,21 @@ def test_secret_crud_through_the_sdk(api_env) -> None:
     assert Secret.destroy("sdk-token") is False
     with pytest.raises(SecretNotFoundException):
         Secret.update("sdk-token", "v3")
+
+
+@pytest.mark.js
+def test_secret_crud_through_the_js_sdk(api_env) -> None:
+    out = run_json_script(["node", "secrets.mjs"], api_env, cwd=ROOT / "tests/js", timeout=120)
+    assert "js-value-never-shown" not in str(out)
+    made = out["made"]
+    assert (made["name"], made["version"], made["metadata"]) == ("js-token", 1, {"k": "v"})
+    assert made["secretId"].startswith("sec_")
+    assert out["dup"][0] == "SecretError" and "409" in out["dup"][1]
+    assert (out["updated"]["version"], out["updated"]["metadata"]) == (2, {})
+    assert out["byId"]["name"] == "js-token" and out["byId"]["version"] == 2
+    assert out["exists"] == [True, False]
+    assert out["missing"][0] == "SecretNotFoundError"
+    assert {"js-token", "js-page-0", "js-page-1", "js-page-2"} <= set(out["listed"])
+    assert len(out["listed"]) == len(set(out["listed"]))
+    assert out["fill"] == "${e2b.secrets.js-token}"
+    assert out["destroyed"] == [True, False]
