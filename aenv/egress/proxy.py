@@ -4,8 +4,9 @@ table redirects the guest's TCP 80 and 443 to it).
 
 Each connection is judged before one byte goes upstream. The proxy peeks at the first
 bytes without taking them (``MSG_PEEK``): a TLS ClientHello gives the SNI name, an HTTP/1
-request head the Host. The slot's policy of that moment decides (``decide_name``); a
-refused connection is closed (TLS) or answered 403 (HTTP). An allowed name is resolved
+request head the Host; without either, the address the guest dialled stands as the name.
+The slot's policy of that moment decides (``decide_name``); a refused connection is
+closed (TLS) or answered 403 (HTTP). An allowed name is resolved
 by the node (``Resolver``), never by the guest, and every address it gets must pass
 ``refused`` (the host, aenv's ranges, metadata) and, unless ``allowOut`` named the name,
 the slot's CIDR rules: a name cannot lead where an address could not.
@@ -100,14 +101,15 @@ class Resolver:
         return list(dict.fromkeys(str(i[4][0]) for i in infos))
 
 
-def original_port(sock: socket.socket) -> int | None:
-    """The destination port the guest asked for, before the slot's redirect."""
+def original_destination(sock: socket.socket) -> tuple[str, int] | None:
+    """The address and port the guest dialled, before the slot's redirect (conntrack of
+    the slot's namespace, where the accepted socket lives)."""
     try:
         raw = sock.getsockopt(socket.SOL_IP, _SO_ORIGINAL_DST, 16)
     except OSError:
         return None
-    port: int = struct.unpack_from("!H", raw, 2)[0]
-    return port
+    port, packed = struct.unpack_from("!H4s", raw, 2)
+    return socket.inet_ntoa(packed), int(port)
 
 
 async def _readable(sock: socket.socket, timeout: float) -> None:
@@ -283,15 +285,17 @@ class EgressProxy:
 
     async def _handle(self, sock: socket.socket, policy: Callable[[], EgressPolicy]) -> None:
         self.connections += 1
-        port = original_port(sock) or 443
+        # Without a name (no SNI, no Host) the address the guest dialled is the name,
+        # judged by the CIDR rules like any address.
+        dialled, port = original_destination(sock) or ("", 443)
         writer: asyncio.StreamWriter | None = None
         try:
             head = await _peek(sock, _sniff)
             if isinstance(head, sniff.RequestHead):
                 reader, writer = await _streams(sock)
-                await self._http(head, port, reader, writer, policy())
+                await self._http(head, head.host or dialled, port, reader, writer, policy())
             else:
-                await self._tls(str(head), port, sock, policy())
+                await self._tls(str(head) or dialled, port, sock, policy())
         except Refused as e:
             self.refused += 1
             log.debug("egress: refused %s", e)  # the guest decides how often: not info
@@ -362,9 +366,9 @@ class EgressProxy:
             out.append((key, _SECRET.sub(fill, value)))
         return tuple(out)
 
-    async def _http(self, head: sniff.RequestHead, port: int, reader: asyncio.StreamReader,
-                    writer: asyncio.StreamWriter, policy: EgressPolicy) -> None:
-        name = head.host
+    async def _http(self, head: sniff.RequestHead, name: str, port: int,
+                    reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                    policy: EgressPolicy) -> None:
         await reader.readexactly(head.size)  # taken before any answer: no reset on close
         try:
             if not name:
@@ -390,7 +394,7 @@ class EgressProxy:
     async def _tls(self, name: str, port: int, sock: socket.socket,
                    policy: EgressPolicy) -> None:
         if not name:
-            raise Refused("TLS without SNI")
+            raise Refused("TLS without SNI to an unknown address")
         addresses = await self._upstream_addr(name, policy)
         if not policy.headers_for(name):
             up = await self._connect(addresses, port)
@@ -487,4 +491,4 @@ def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:
         return False
 
 
-__all__ = ["EgressProxy", "Refused", "Resolver", "original_port"]
+__all__ = ["EgressProxy", "Refused", "Resolver", "original_destination"]

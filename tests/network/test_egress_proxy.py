@@ -161,6 +161,39 @@ def test_the_servers_address_is_no_way_around_the_names(proxied: World) -> None:
     assert w.other.seen == [] and w.http.seen == []
 
 
+def test_without_a_name_the_dialled_address_is_judged(world: World) -> None:
+    """TLS without SNI (a client dialling an address) and HTTP/1.0 without Host: the
+    address the guest dialled is the name, under the CIDR rules."""
+    no_sni = ssl.create_default_context()
+    no_sni.check_hostname, no_sni.verify_mode = False, ssl.CERT_NONE
+
+    def tls_by_address() -> bytes:
+        with socket.create_connection((INET_IP, 443), timeout=5) as raw, \
+                no_sni.wrap_socket(raw) as s:  # no server_hostname: no SNI
+            s.sendall(b"GET / HTTP/1.1\r\nHost: allowed.aes.test\r\n\r\n")
+            return s.recv(4096)
+
+    def http10() -> bytes:
+        with socket.create_connection((INET_IP, 80), timeout=5) as s:
+            s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+            out = b""
+            while chunk := s.recv(4096):
+                out += chunk
+            return out
+
+    world.slot.set_policy(EgressPolicy.build(allow_out=["allowed.aes.test", f"{INET_IP}/32"],
+                                             deny_out=["0.0.0.0/0"]))
+    try:
+        assert world.guest_call(tls_by_address).startswith(b"HTTP/1.1 200")
+        assert world.guest_call(http10).startswith(b"HTTP/1.1 200")
+        world.slot.set_policy(POLICY)  # the address is not listed
+        with pytest.raises((ssl.SSLError, OSError)):
+            world.guest_call(tls_by_address)
+        assert world.guest_call(http10).startswith(b"HTTP/1.1 403")
+    finally:
+        world.slot.set_policy(DEFAULT_POLICY)
+
+
 def test_a_transform_sets_headers_the_guest_never_sees(proxied: World) -> None:
     w = proxied
     out = w.guest.request("api.aes.test", port=443, tls=w.trusting(w.node_ca))
