@@ -77,16 +77,20 @@ def test_guest_ram_is_a_shared_file_named_memory() -> None:
 def test_tcg_adds_its_arguments_once_and_kvm_does_not(monkeypatch) -> None:
     monkeypatch.setattr(qemu_args, "host_tsc_khz", lambda: 2793436)
     assert kernel_cmdline(spec(), "tcg") == (
-        "console=ttyS0 root=/dev/vda tsc_early_khz=2793436 tsc=reliable mitigations=off")
+        "console=ttyS0 root=/dev/vda tsc_early_khz=2793436 tsc=reliable mitigations=off "
+        "nowatchdog sysctl.vm.stat_interval=10")
     given = spec(boot_args="console=ttyS0 tsc_early_khz=1000000 tsc=reliable mitigations=auto")
-    assert kernel_cmdline(given, "tcg") == given.boot_args  # what the caller set wins
+    # What the caller set wins; what it left out is added.
+    assert kernel_cmdline(given, "tcg") == \
+        given.boot_args + " nowatchdog sysctl.vm.stat_interval=10"
     assert kernel_cmdline(spec(), "kvm") == "console=ttyS0 root=/dev/vda"
 
 
 def test_an_unknown_tsc_frequency_leaves_calibration_to_the_guest(monkeypatch) -> None:
     monkeypatch.setattr(qemu_args, "host_tsc_khz", lambda: None)
     assert kernel_cmdline(spec(), "tcg") == (
-        "console=ttyS0 root=/dev/vda tsc=reliable mitigations=off")
+        "console=ttyS0 root=/dev/vda tsc=reliable mitigations=off nowatchdog "
+        "sysctl.vm.stat_interval=10")
 
 
 def test_accelerator_selects_cpu_model() -> None:
