@@ -56,6 +56,10 @@ KEEPALIVE_S = 5.0
 # A kernel start under TCG on a busy host: python's 20-30 s, Deno's about as long.
 KERNEL_READY_S = 180.0
 ENVD_ENVS_URL = "http://127.0.0.1:49983/envs"
+# Registers charts.figure_chart in the kernel; names kept out of the user's namespace, and a
+# kernel without aenv on its path (a user's own) just has no charts.
+CHARTS_SETUP = ("try:\n    __import__('aenv.interpreter.charts', fromlist=['install']).install()\n"
+                "except Exception:\n    pass\n")
 
 
 class UnknownLanguage(Exception):
@@ -186,7 +190,13 @@ class Kernels:
         ctx = Context(id=str(uuid.uuid4()), language=language, cwd=cwd, manager=manager)
         self._clients[ctx.id] = client
         self.contexts[ctx.id] = ctx
+        await self._setup(ctx)
         return ctx
+
+    async def _setup(self, ctx: Context) -> None:
+        """A new (or restarted) python kernel's hidden set-up: chart data for figures."""
+        if ctx.language == "python":
+            await self._hidden(ctx, CHARTS_SETUP)
 
     @staticmethod
     def _installed() -> list[str]:
@@ -235,6 +245,7 @@ class Kernels:
             await ctx.manager.restart_kernel(now=True)
             await self._clients[ctx.id].wait_for_ready(timeout=KERNEL_READY_S)
             ctx.sandbox_envs_loaded = False
+            await self._setup(ctx)
         finally:
             ctx.restarting = False
 

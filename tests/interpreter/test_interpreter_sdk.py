@@ -126,6 +126,38 @@ def test_rich_results(sbx: Sandbox) -> None:
     assert "html" in html.formats() and "json" in js.formats()
 
 
+def test_charts_from_matplotlib_figures(sbx: Sandbox) -> None:
+    """A shown figure's result carries chart data the SDK parses (its Chart classes)."""
+    from e2b_code_interpreter.charts import BarChart, LineChart, ScatterChart, SuperChart
+
+    ex = sbx.run_code(
+        "import matplotlib\nmatplotlib.use('module://matplotlib_inline.backend_inline')\n"
+        "import matplotlib.pyplot as plt\n"
+        "plt.figure(); plt.plot([1, 2, 3], [3, 1, 2], label='sales')\n"
+        "plt.title('T'); plt.xlabel('time (s)'); plt.ylabel('units'); plt.legend(); plt.show()")
+    assert ex.error is None, ex.error
+    line = next(r for r in ex.results if r.chart is not None)
+    assert line.png and isinstance(line.chart, LineChart)
+    c = line.chart
+    assert (c.title, c.x_label, c.x_unit, c.y_label) == ("T", "time", "s", "units")
+    assert [(e.label, e.points) for e in c.elements] == [("sales", [(1, 3), (2, 1), (3, 2)])]
+    assert c.x_scale.value == "linear" and c.x_ticks
+
+    ex = sbx.run_code(
+        "fig, (a, b) = plt.subplots(1, 2)\n"
+        "a.bar(['x', 'y'], [5, 7], label='n')\nb.scatter([1, 2], [4, 8])\nplt.show()")
+    assert ex.error is None, ex.error
+    sup = next(r.chart for r in ex.results if r.chart is not None)
+    assert isinstance(sup, SuperChart)
+    bar, scatter = sup.elements
+    assert isinstance(bar, BarChart) and isinstance(scatter, ScatterChart)
+    assert [(e.label, e.group, e.value) for e in bar.elements] == [("x", "n", 5), ("y", "n", 7)]
+    assert scatter.elements[0].points == [(1, 4), (2, 8)]
+    # a figure with nothing this reads: a png and no chart
+    ex = sbx.run_code("plt.figure(); plt.show()")
+    assert all(r.chart is None for r in ex.results)
+
+
 def test_error(sbx: Sandbox) -> None:
     ex = sbx.run_code("def f():\n    raise ValueError('bad value')\nf()")
     assert ex.error is not None
