@@ -189,12 +189,16 @@ async def _answer(reader: asyncio.StreamReader, send: Send) -> bool:
             await send({"type": "http.response.start", "status": parser.get_status_code(),
                         "headers": answer.headers})
             started = True
-        if answer.chunks:
-            chunks, answer.chunks = answer.chunks, []
-            for chunk in chunks:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        chunks, answer.chunks = answer.chunks, []
+        last = len(chunks) - 1 if answer.done else -1  # the end goes with the last chunk
+        for i, chunk in enumerate(chunks):
+            await send({"type": "http.response.body", "body": chunk, "more_body": i != last})
+        if answer.done and chunks:
+            return answer.keep_alive
     await send({"type": "http.response.body", "body": b""})
-    return answer.done and answer.framed and answer.keep_alive
+    # An answer the parser saw end (framed, or bodiless: 204, 304) leaves the connection
+    # reusable when HTTP says so; one that ended with the connection does not.
+    return answer.done and answer.keep_alive
 
 
 class BodySource:

@@ -39,6 +39,10 @@ class Node:
             body += msg.get("body", b"")
             if not msg.get("more_body"):
                 break
+        if scope["path"] == "/empty":  # no body, no framing: complete after its head
+            await send({"type": "http.response.start", "status": 204, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+            return
         if scope["path"] == "/stream":  # two parts, the second only once released
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"application/connect+json")]})
@@ -118,6 +122,8 @@ async def test_requests_and_answers_pass_and_connections_are_reused() -> None:
         try:
             sent = await call(relay, "GET", b"/health?x=1")
             assert sent.status == 201 and (b"x-node", b"yes") in sent.messages[0]["headers"]
+            empty = await call(relay, "GET", b"/empty")
+            assert empty.status == 204 and empty.body == b""
             assert sent.body == b"GET /health?x=1 host=49983-sbx.example.com te= len=0 "
             body = b"x" * 5000
             sent = await call(relay, "POST", b"/process.Process/Start", body[:100], body[100:],
@@ -134,9 +140,10 @@ async def test_requests_and_answers_pass_and_connections_are_reused() -> None:
             assert sent.body.endswith(b"len=307200 " + big)
         finally:
             await relay.close()
-    # the first two on one kept-alive connection; the streamed bodies on new ones
-    assert node.clients[0] == node.clients[1]
-    assert len({node.clients[0], node.clients[2], node.clients[3]}) == 3
+    # the first three (a 204 among them) on one kept-alive connection; the streamed
+    # bodies on new ones
+    assert node.clients[0] == node.clients[1] == node.clients[2]
+    assert len({node.clients[0], node.clients[3], node.clients[4]}) == 3
 
 
 async def test_a_streamed_answer_is_relayed_as_it_comes() -> None:
@@ -153,7 +160,8 @@ async def test_a_streamed_answer_is_relayed_as_it_comes() -> None:
             node.release.set()
             await asyncio.wait_for(task, 5)
             assert sent.body == b"firstsecond"
-            assert sent.messages[-1] == {"type": "http.response.body", "body": b""}
+            assert not sent.messages[-1].get("more_body")      # the end, sent once
+            assert all(m.get("more_body") for m in sent.messages[1:-1])
         finally:
             node.release.set()
             await relay.close()
