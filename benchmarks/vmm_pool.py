@@ -18,8 +18,8 @@ VMs come and go on these 2 cores). Over one keep-alive connection per server (ht
   ``create_guest``: ``envd_init`` (the guest runs from its restored state until envd has
   answered ``/init``: what TCG emulates and KVM runs natively); ``pool_hits``: creates
   that took a pre-started VMM (their Server-Timing has ``pool``); ``init_again``: the
-  same ``/init`` sent again right after (through the proxy: one more hop), to a guest whose
-  code TCG has translated by then — how much of ``create_guest`` is a cold guest;
+  same ``/init`` sent again right after (as the node sends it), to a guest whose code TCG
+  has translated by then — how much of ``create_guest`` is a cold guest;
 - ``resume``: pause (``POST .../pause``), ``--resume-after`` seconds, then ``POST
   /v2/.../connect`` of one sandbox, ``--n`` times; with the pool on, the node pre-starts a
   VMM for the paused sandbox after the pause (one, for 60 s), which the resume takes;
@@ -178,14 +178,22 @@ def interleaved(modes: list[Mode], args: argparse.Namespace) -> None:
 
 
 def init_again(srv: VMServer, sid: str, token: str | None) -> float:
-    """A second ``/init`` (through the server's proxy) right after the create's: the same
-    request to the same guest, its code now translated (TCG) and its pages touched."""
+    """A second ``/init`` right after the create's, as the node sends it (to the sandbox's
+    host address; the proxy does not pass ``/init``): the same request to the same guest,
+    its code now translated (TCG) and its pages touched."""
     import asyncio
+    import sqlite3
 
-    from aenv.client.envd import EnvdClient
+    from aenv.client.envd import ENVD_PORT, EnvdClient
+
+    db = sqlite3.connect(f"file:{srv.settings.home / 'aenv.db'}?mode=ro", uri=True, timeout=10)
+    try:
+        (host_ip,) = db.execute("SELECT host_ip FROM sandboxes WHERE id = ?", (sid,)).fetchone()
+    finally:
+        db.close()
 
     async def go() -> float:
-        envd = EnvdClient.through_proxy(srv.url, sid, token)
+        envd = EnvdClient(f"http://{host_ip}:{ENVD_PORT}")
         try:
             t0 = time.perf_counter()
             await envd.init(access_token=token, env_vars={}, current_token=token,

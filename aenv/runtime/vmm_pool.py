@@ -54,6 +54,11 @@ log = logging.getLogger("aenv.runtime")
 
 PREFIX = "vp"  # working directories of pooled VMMs: <vms_dir>/vp<hex>
 _RETRY_AFTER_FAILURE_S = 2.0
+_WAIT_FOR_MAKING_S = 2.0  # a one-shot take waits this long for its VMM being made
+
+
+class _Unwanted(VMError):
+    """A VMM was made for a one-shot snapshot that no longer wants it (discarded)."""
 
 
 class PrestartedVMM(Protocol):
@@ -204,6 +209,12 @@ class VMMPool(Generic[S]):
             return None
         key = snapshot_key(snapshot_dir)
         if once:
+            # Its VMM may be half made (the restore came soon after the pause): finishing
+            # it is sooner than starting another.
+            deadline = time.monotonic() + _WAIT_FOR_MAKING_S
+            while self._making.get(key) and not self._idle.get(key) and \
+                    time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
             self._once.pop(key, None)
         else:
             self.note(key)
@@ -352,6 +363,8 @@ class VMMPool(Generic[S]):
                 await self.fill_one(key)
             except asyncio.CancelledError:
                 raise
+            except _Unwanted as e:
+                log.info("%s", e)
             except Exception as e:
                 self._failed_at[key] = time.monotonic()
                 log.warning("pre-starting a VMM of %s failed: %s", key, e)
@@ -360,6 +373,7 @@ class VMMPool(Generic[S]):
         """Pre-start one VMM of snapshot ``key`` in a slot of its own and pool it."""
         key = snapshot_key(key)
         memory_mib = _memory_mib(key)
+        one_shot = key in self._once and key not in self._takes
         self._making[key] = self._making.get(key, 0) + 1
         try:
             slot = await self._acquire()
@@ -380,6 +394,10 @@ class VMMPool(Generic[S]):
         if self._closed:
             await self.discard(entry)
             raise VMError("the VMM pool was closed while a VMM was being pre-started")
+        if one_shot and key not in self._once and key not in self._takes:
+            # A one-shot snapshot whose restore came (or whose time ran out) meanwhile.
+            await self.discard(entry)
+            raise _Unwanted(f"{key.name} was no longer wanted when its VMM was ready")
         self._idle.setdefault(key, collections.deque()).append(entry)
         self.stats["made"] += 1
         log.info("pre-started VMM %s of %s (%d waiting)", vm_id, key.name,

@@ -25,6 +25,7 @@ import pytest
 
 from aenv.network import NetworkSlot, SlotPool
 from aenv.runtime import workdir as wd
+from aenv.runtime.base import VMError
 from aenv.runtime.qemu import Prestarted, QemuRuntime
 from aenv.runtime.ready import wait_for_envd
 from aenv.runtime.vmm_pool import PREFIX, VMMPool
@@ -248,3 +249,26 @@ async def run_taken_once(pool: VMMPool[NetworkSlot], template: Path) -> None:
         await vm.stop()
         await asyncio.to_thread(wd.remove, vm.workdir)
         await pool._release(entry.slot)
+
+
+async def test_a_resume_waits_for_its_half_made_vmm_and_an_unwanted_one_is_discarded(
+        template, slot_pool, pool_dir) -> None:
+    pool = make_pool(slot_pool, pool_dir)  # no filler: fill_one is driven by hand
+    key = template.resolve()
+    try:
+        pool.want_once(template, 30)
+        making = asyncio.create_task(pool.fill_one(template))
+        await until(lambda: bool(pool._making.get(key)), 10, "the VMM to be under way")
+        entry = await pool.take(template, once=True)  # waits for it rather than None
+        assert entry is not None and entry is await making
+        await pool.discard(entry)
+        # Made for a snapshot nobody wants any more (its time ran out meanwhile): discarded.
+        pool.want_once(template, 30)
+        making = asyncio.create_task(pool.fill_one(template))
+        await until(lambda: bool(pool._making.get(key)), 10, "the VMM to be under way")
+        pool._once.pop(key)
+        with pytest.raises(VMError, match="no longer wanted"):
+            await making
+        assert pool.idle() == 0 and not list(pool_dir.glob(PREFIX + "*"))
+    finally:
+        await pool.close()
