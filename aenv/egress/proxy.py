@@ -44,11 +44,19 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import Counter
+
 from ..network.policy import EgressPolicy
 from . import dns, sniff
 from .ca import EgressCA
 
 log = logging.getLogger("aenv.egress")
+
+# On the server's /metrics: what the proxy let through and what it turned away.
+CONNECTIONS = Counter("aenv_egress_connections_total",
+                      "Guest connections to the egress proxy, by outcome", ["outcome"])
+DNS_QUERIES = Counter("aenv_egress_dns_queries_total",
+                      "Guest DNS queries answered by the node, by answer", ["answer"])
 
 PEEK_TIMEOUT_S = 10.0
 MAX_CONNECTIONS_PER_SLOT = 512
@@ -262,6 +270,7 @@ class EgressProxy:
             conn, _ = await loop.sock_accept(listener)
             if open_now >= MAX_CONNECTIONS_PER_SLOT:  # one guest cannot hold the node's
                 self.refused += 1                     # memory and descriptors
+                CONNECTIONS.labels("over_limit").inc()
                 conn.close()
                 continue
             # asyncio sets TCP_NODELAY only on sockets made with proto=IPPROTO_TCP; without
@@ -296,8 +305,10 @@ class EgressProxy:
                 await self._http(head, head.host or dialled, port, reader, writer, policy())
             else:
                 await self._tls(str(head) or dialled, port, sock, policy())
+            CONNECTIONS.labels("served").inc()
         except Refused as e:
             self.refused += 1
+            CONNECTIONS.labels("refused").inc()
             log.debug("egress: refused %s", e)  # the guest decides how often: not info
         except (ConnectionError, OSError, ssl.SSLError, asyncio.IncompleteReadError) as e:
             log.debug("egress: connection ended: %s", e)
@@ -326,8 +337,10 @@ class EgressProxy:
         try:
             found = await self._upstream_addr(q.name, policy)
         except Refused:  # refused, or nowhere it may go: the name does not exist for it
+            DNS_QUERIES.labels("nxdomain").inc()
             transport.sendto(dns.answer(q, dns.NXDOMAIN), addr)
             return
+        DNS_QUERIES.labels("noerror").inc()
         transport.sendto(dns.answer(q, dns.NOERROR, found), addr)
 
     async def _upstream_addr(self, name: str, policy: EgressPolicy) -> list[str]:
@@ -380,13 +393,11 @@ class EgressProxy:
         except Refused as e:
             writer.write(_answer(403, "Forbidden", f"aenv egress: {e}"))
             await writer.drain()
-            writer.close()
-            return
+            raise
         except _SecretError as e:
             writer.write(_answer(502, "Bad Gateway", f"aenv egress: {e}"))
             await writer.drain()
-            writer.close()
-            return
+            raise Refused(str(e)) from None
         up = await self._connect(addresses, port)
         up[1].write(head.render(headers, close=True))
         await _splice((reader, writer), up)
@@ -419,15 +430,13 @@ class EgressProxy:
             writer.write(_answer(421, "Misdirected Request",
                                  f"aenv egress: Host {head.host} on a connection for {name}"))
             await writer.drain()
-            writer.close()
-            return
+            raise Refused(f"Host {head.host} on a TLS connection for {name}")
         try:
             headers = self._headers(policy, name)
         except _SecretError as e:
             writer.write(_answer(502, "Bad Gateway", f"aenv egress: {e}"))
             await writer.drain()
-            writer.close()
-            return
+            raise Refused(str(e)) from None
         up = await self._connect(addresses, port, tls_name=name)
         up[1].write(head.render(headers, close=True))
         await _splice((reader, writer), up)

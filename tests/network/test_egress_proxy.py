@@ -136,13 +136,22 @@ def test_an_allowed_name_is_reached_over_http_and_tls(proxied: World) -> None:
     assert w.http.seen[0]["connection"] == "close"
 
 
+def counted(kind: str, label: str) -> float:
+    metric = proxy_module.CONNECTIONS if kind == "connections" else proxy_module.DNS_QUERIES
+    return float(metric.labels(label)._value.get())
+
+
 def test_a_name_not_allowed_is_refused_and_never_reaches_the_server(proxied: World) -> None:
     w = proxied
+    refused, served = counted("connections", "refused"), counted("connections", "served")
     out = w.guest.request("denied.aes.test")
     assert out.startswith(b"HTTP/1.1 403"), out
     with pytest.raises((ssl.SSLError, OSError)):
         w.guest.request("denied.aes.test", port=443, tls=w.trusting(w.site_ca))
     assert w.http.seen == [] and w.https.seen == []
+    time.sleep(0.1)
+    assert counted("connections", "refused") == refused + 2  # on the server's /metrics
+    assert counted("connections", "served") == served
 
 
 def test_a_wildcard_matches_subdomains_not_the_apex(proxied: World) -> None:
