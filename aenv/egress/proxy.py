@@ -302,9 +302,10 @@ class EgressProxy:
             head = await _peek(sock, _sniff)
             if isinstance(head, sniff.RequestHead):
                 reader, writer = await _streams(sock)
-                await self._http(head, head.host or dialled, port, reader, writer, policy())
+                await self._http(head, head.host or dialled, port, reader, writer, policy(),
+                                 dialled)
             else:
-                await self._tls(str(head) or dialled, port, sock, policy())
+                await self._tls(str(head) or dialled, port, sock, policy(), dialled)
             CONNECTIONS.labels("served").inc()
         except Refused as e:
             self.refused += 1
@@ -343,9 +344,14 @@ class EgressProxy:
         DNS_QUERIES.labels("noerror").inc()
         transport.sendto(dns.answer(q, dns.NOERROR, found), addr)
 
-    async def _upstream_addr(self, name: str, policy: EgressPolicy) -> list[str]:
+    async def _upstream_addr(self, name: str, policy: EgressPolicy,
+                             dialled: str = "") -> list[str]:
         verdict = policy.decide_name(name)
         if not verdict.allowed:
+            # An address allowOut lists wins over a name nothing allows: the guest may
+            # reach it directly, so it may reach it under any name (and only there).
+            if dialled and policy.ip_listed(dialled) and not self._refused(dialled):
+                return [dialled]
             raise Refused(f"{name}: not allowed by the sandbox's egress rules")
         addresses = [name] if _is_ip(name) else await self.resolver.resolve(name)
         ok = [a for a in addresses
@@ -381,14 +387,14 @@ class EgressProxy:
 
     async def _http(self, head: sniff.RequestHead, name: str, port: int,
                     reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                    policy: EgressPolicy) -> None:
+                    policy: EgressPolicy, dialled: str = "") -> None:
         await reader.readexactly(head.size)  # taken before any answer: no reset on close
         try:
             if not name:
                 raise Refused("request without a Host")
             if head.target_host not in (None, name):
                 raise Refused(f"the request names {head.target_host}, its Host {name}")
-            addresses = await self._upstream_addr(name, policy)
+            addresses = await self._upstream_addr(name, policy, dialled)
             headers = self._headers(policy, name)
         except Refused as e:
             writer.write(_answer(403, "Forbidden", f"aenv egress: {e}"))
@@ -403,10 +409,10 @@ class EgressProxy:
         await _splice((reader, writer), up)
 
     async def _tls(self, name: str, port: int, sock: socket.socket,
-                   policy: EgressPolicy) -> None:
+                   policy: EgressPolicy, dialled: str = "") -> None:
         if not name:
             raise Refused("TLS without SNI to an unknown address")
-        addresses = await self._upstream_addr(name, policy)
+        addresses = await self._upstream_addr(name, policy, dialled)
         if not policy.headers_for(name):
             up = await self._connect(addresses, port)
             await _splice(await _streams(sock), up)

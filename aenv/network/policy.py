@@ -171,6 +171,13 @@ class EgressPolicy:
             return False
         return not any(ip in ipaddress.IPv4Network(n) for n in PRIVATE_RANGES)
 
+    def ip_listed(self, address: str) -> bool:
+        """Whether ``allow_out`` names ``address`` (a CIDR of it), which opens it whatever
+        the rest says (metadata aside)."""
+        ip = ipaddress.IPv4Address(address)
+        return any(ip in ipaddress.IPv4Network(n) for n in self.allow_out) and \
+            not any(ip in ipaddress.IPv4Network(n) for n in METADATA_ADDRESSES)
+
     def decide_name(self, name: str) -> NameVerdict:
         """What the proxy does with a connection to ``name`` (Host or SNI): an allowed
         entry wins over a denied one, as in E2B; a name no entry names follows the CIDR

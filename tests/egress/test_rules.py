@@ -55,6 +55,9 @@ def test_an_allowed_name_wins_and_unnamed_ones_follow_the_cidr_default() -> None
     assert verdict.allowed and not verdict.explicit  # its addresses are still judged
     assert not opened.ip_allowed("10.1.2.3") and opened.ip_allowed("93.184.216.34")
     assert not EgressPolicy.build(allow_internet=False).decide_name("good.com").allowed
+    listed = EgressPolicy.build(allow_out=["10.1.0.0/16", "169.254.0.0/16"])
+    assert listed.ip_listed("10.1.2.3") and not listed.ip_listed("10.2.0.1")
+    assert not listed.ip_listed("169.254.169.254")  # metadata: never
 
 
 def test_header_rules_pick_one_rule_set_and_merge_within_it() -> None:

@@ -203,6 +203,22 @@ def test_without_a_name_the_dialled_address_is_judged(world: World) -> None:
         world.slot.set_policy(DEFAULT_POLICY)
 
 
+def test_an_address_allow_out_lists_is_reached_under_any_name(world: World) -> None:
+    """Allowed entries win: a listed address is reached directly, so through the proxy
+    too, whatever name the request carries (and only that address is dialled)."""
+    world.slot.set_policy(EgressPolicy.build(allow_out=["allowed.aes.test", f"{INET_IP}/32"],
+                                             deny_out=["0.0.0.0/0"]))
+    world.http.seen.clear()
+    try:
+        assert world.guest.request("denied.aes.test").endswith(b"ok denied.aes.test\n")
+        # The same name dialled at another address is still refused.
+        assert world.guest.request("denied.aes.test", to="198.51.100.77").startswith(
+            b"HTTP/1.1 403")
+        assert [h["host"] for h in world.http.seen] == ["denied.aes.test"]
+    finally:
+        world.slot.set_policy(DEFAULT_POLICY)
+
+
 def test_a_transform_sets_headers_the_guest_never_sees(proxied: World) -> None:
     w = proxied
     out = w.guest.request("api.aes.test", port=443, tls=w.trusting(w.node_ca))
