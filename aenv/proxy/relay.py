@@ -202,8 +202,10 @@ async def _answer(reader: asyncio.StreamReader, send: Send) -> bool:
 
 
 class BodySource:
-    """A request's body from an ASGI ``receive``: none, one of a known length (held whole
-    up to ``REPLAY_MAX``, so it can be sent again), or a stream sent chunked."""
+    """A request's body from an ASGI ``receive``: none, one held whole (a known length up
+    to ``REPLAY_MAX``, or a chunked one that ended within it: sent with its length, and
+    again if need be), or a stream (a larger length, or chunked past ``REPLAY_MAX``: what
+    was read ahead, then the rest)."""
 
     def __init__(self, receive: Receive, length: int | None, chunked: bool,
                  method: str) -> None:
@@ -212,6 +214,7 @@ class BodySource:
         self.chunked = chunked and length is None
         self.method = method
         self._held: bytes | None = None
+        self._ahead: list[bytes] = []   # a stream's start, read while trying to hold it
         self._read = False
 
     async def held(self) -> bytes | None:
@@ -222,6 +225,17 @@ class BodySource:
             self._read, self._held = True, b""
         elif self.length is not None and self.length <= REPLAY_MAX:
             self._read, self._held = True, b"".join([c async for c in _chunks(self.receive)])
+        elif self.chunked:
+            size = 0
+            while size <= REPLAY_MAX:
+                msg = await self.receive()
+                chunk = msg.get("body", b"") if msg["type"] != "http.disconnect" else b""
+                self._ahead.append(chunk)
+                size += len(chunk)
+                if msg["type"] == "http.disconnect" or not msg.get("more_body", False):
+                    self._read, self._held = True, b"".join(self._ahead)
+                    self._ahead = []
+                    break
         return self._held if self._read else None
 
     def framing(self) -> list[bytes]:
@@ -239,7 +253,16 @@ class BodySource:
                 writer.write(self._held)
             return
         self._read = True  # streamed: cannot be sent again
-        async for chunk in _chunks(self.receive):
+        ahead, self._ahead = self._ahead, []
+
+        async def stream() -> AsyncIterator[bytes]:
+            for chunk in ahead:
+                if chunk:
+                    yield chunk
+            async for chunk in _chunks(self.receive):
+                yield chunk
+
+        async for chunk in stream():
             if self.chunked:
                 writer.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
             else:

@@ -129,10 +129,15 @@ async def test_requests_and_answers_pass_and_connections_are_reused() -> None:
             sent = await call(relay, "POST", b"/process.Process/Start", body[:100], body[100:],
                               headers=[(b"content-length", b"5000")])
             assert sent.body.endswith(b"len=5000 " + body)
-            # a body of unknown length goes chunked (streamed: on a connection of its own)
+            # a small body of unknown length is held and sent with its length
             sent = await call(relay, "PUT", b"/files", b"ab", b"cd",
                               headers=[(b"transfer-encoding", b"chunked")])
-            assert b"te=chunked len=4 abcd" in sent.body
+            assert b"te= len=4 abcd" in sent.body
+            # a large one goes chunked, what was read ahead first, on a connection of its own
+            parts = [bytes([65 + i % 26]) * 100_000 for i in range(4)]
+            sent = await call(relay, "PUT", b"/files", *parts,
+                              headers=[(b"transfer-encoding", b"chunked")])
+            assert sent.body.endswith(b"te=chunked len=400000 " + b"".join(parts))
             # a large body is streamed, on a connection of its own
             big = b"y" * (300 * 1024)
             sent = await call(relay, "POST", b"/files", big[:1000], big[1000:],
@@ -140,10 +145,10 @@ async def test_requests_and_answers_pass_and_connections_are_reused() -> None:
             assert sent.body.endswith(b"len=307200 " + big)
         finally:
             await relay.close()
-    # the first three (a 204 among them) on one kept-alive connection; the streamed
-    # bodies on new ones
-    assert node.clients[0] == node.clients[1] == node.clients[2]
-    assert len({node.clients[0], node.clients[3], node.clients[4]}) == 3
+    # the first four (a 204 and a held chunked body among them) on one kept-alive
+    # connection; the streamed bodies on new ones
+    assert node.clients[0] == node.clients[1] == node.clients[2] == node.clients[3]
+    assert len({node.clients[0], node.clients[4], node.clients[5]}) == 3
 
 
 async def test_a_streamed_answer_is_relayed_as_it_comes() -> None:
