@@ -1,7 +1,7 @@
 """Snapshots of a VM that writes, and a pause after dirtying its memory (issue 21, item 5).
 
 Run as root: ``.venv/bin/python benchmarks/snapshot_writes.py [--snapshots 20]
-[--dirty-mib 200] [--dirty-reps 5] [--mib 512]``
+[--dirty-mib 200] [--dirty-reps 5] [--mib 512] [--via-api]``
 
 Method (qemu driver, as ``benchmarks/vm_snapshot.py``, whose ``Bench`` it uses: its own name
 prefix and addresses, 10.<--net>.0/24, default 135): boots ``base`` once with ``--mib`` MiB
@@ -15,6 +15,11 @@ and pauses it into a template snapshot, then on VMs restored from it, as every s
   ``save_state``, ``save_memory``, ``drives``, ``thaw``, ``commit``, ``finish`` and the
   finer ones a step adds), whether it compacted its chain, and how much memory it wrote.
   ``slowest``: the full breakdown of the slowest one, to see what it paid for.
+- ``via_api`` (``--via-api``): the same loop through a real ``aenv server``
+  (``benchmarks/_server.py``, same net): a sandbox from base runs the writer, and
+  ``POST /sandboxes/{id}/snapshots`` is timed by the client ``--snapshots`` times, one second
+  apart; the node's log line for each capture gives the runtime's share (``node_total_ms``),
+  the rest (``outside_capture_ms``) is the API, the orchestrator and the store.
 - ``pause_after_dirtying``: a guest process fills ``--dirty-mib`` MiB with a non-zero byte
   pattern, then ``VM.snapshot(stop=True)`` (a pause), ``--dirty-reps`` times on fresh VMs.
 
@@ -29,19 +34,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from aenv.config import Settings
 from aenv.network import SlotPool, cleanup_leftovers
 from aenv.runtime.kvm import host_accel
 from aenv.storage.images import ensure_base_image
 from aenv.storage.kernel import ensure_kernel
-from benchmarks._common import emit, phase_summaries, private_settings, summary
+from benchmarks._common import emit, expect_status, phase_summaries, private_settings, summary
+from benchmarks._server import VMServer, leftovers
 from benchmarks.vm_snapshot import Bench, log, ms
 
 GOALS = {"snapshot_while_writing_p99_ms": 150, "pause_after_dirtying_200mib_p50_ms": 200}
@@ -81,6 +90,67 @@ async def while_writing(bench: Bench, template: Path, n: int, mib: int) -> dict[
         "slowest": slowest,
         "guest_rewrites_of_8mib": int(rewrites.stdout.strip() or 0),
     }
+
+
+NODE_SNAPSHOT = re.compile(r"sandbox (\S+): snapshot (\S+) \(freeze (\d+) ms, total (\d+) ms\)")
+
+
+def via_api(args: argparse.Namespace) -> dict[str, Any]:
+    """The loop through ``POST /sandboxes/{id}/snapshots`` of a real server."""
+    home = Path(tempfile.mkdtemp(prefix="aenv-bench-snapwrites-"))
+    srv = VMServer(home, args.net, Settings.from_env().artifacts)
+    walls: list[float] = []
+    try:
+        log(f"starting aenv server (prefix {srv.settings.name_prefix})")
+        srv.start()
+        with srv.api() as api:
+            r = expect_status(api.post("/v2/sandboxes", json={"templateID": "base",
+                                                               "timeout": 900}), 201)
+            sid, token = r.json()["sandboxID"], r.json().get("envdAccessToken")
+            asyncio.run(_start_writer(srv.url, sid, token))
+            time.sleep(2.0)
+            for i in range(args.snapshots):
+                t0 = time.perf_counter()
+                expect_status(api.post(f"/sandboxes/{sid}/snapshots", json={}), 201)
+                walls.append((time.perf_counter() - t0) * 1000)
+                log(f"POST snapshots {i + 1}/{args.snapshots}: {walls[-1]:.0f} ms")
+                time.sleep(1.0)
+            expect_status(api.delete(f"/sandboxes/{sid}"), 204)
+            for snap in api.get("/snapshots").json():
+                api.delete(f"/templates/{snap['snapshotID']}")
+        node = [(int(f), int(t)) for _, _, f, t in
+                NODE_SNAPSHOT.findall(srv.log_path.read_text(errors="replace"))]
+    finally:
+        try:
+            if srv.proc is not None and srv.proc.poll() is None:
+                srv.kill_all()
+        finally:
+            srv.stop()
+            left = leftovers(srv.settings)
+            if any(left.values()):
+                log(f"leftovers found, removing: {left}")
+                cleanup_leftovers(srv.settings)
+            shutil.rmtree(home, ignore_errors=True)
+    paired = list(zip(walls, node, strict=False))
+    return {
+        "client_ms": summary(walls),
+        "per_snapshot_client_ms": [round(w, 1) for w in walls],
+        "node_total_ms": summary([float(t) for _, (_, t) in paired]),
+        "node_freeze_ms": summary([float(f) for _, (f, _) in paired]),
+        "outside_capture_ms": summary([w - t for w, (_, t) in paired]),
+    }
+
+
+async def _start_writer(url: str, sid: str, token: str | None) -> None:
+    from aenv.client.envd import EnvdClient
+
+    envd = EnvdClient.through_proxy(url, sid, token)
+    try:
+        r = await envd.run(WRITER, timeout=60)
+        if r.exit_code != 0:
+            raise RuntimeError(f"the writer did not start: {r.stderr}")
+    finally:
+        await envd.aclose()
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -125,12 +195,16 @@ def main() -> None:
     ap.add_argument("--net", type=int, default=135,
                     help="second octet of the benchmark's host and veth /24s")
     ap.add_argument("--flavor", default="cloud")
+    ap.add_argument("--via-api", action="store_true",
+                    help="also the loop through POST /sandboxes/{id}/snapshots of a server")
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("snapshot_writes.py needs root (network namespaces and taps)")
     accel = host_accel()
     t0 = time.monotonic()
     out = asyncio.run(run(args))
+    if args.via_api:
+        out["via_api"] = via_api(args)
     writes = out["snapshot_while_writing"]
     dirty = out.get("pause_after_dirtying", {}).get(f"{args.dirty_mib}mib")
     emit({"benchmark": "snapshot_writes", "runtime": "qemu", "accel": accel.accel,
