@@ -18,7 +18,6 @@ from aenv.orchestrator.machine import NodeResources, Placement
 from aenv.store import SandboxRecord, TemplateRecord
 from tests.conftest import ROOT, stop_process
 
-
 # pytest-xdist's worker number ("gw3" -> 3), so that workers' envds never share an address.
 _WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
 
