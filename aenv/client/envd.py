@@ -357,7 +357,8 @@ class EnvdClient:
                    ca_bundle: str | None = None,
                    wait: float = 0.0, alive: Callable[[], bool] | None = None,
                    timeout: float | None = None,
-                   volume_mounts: list[dict[str, str]] | None = None) -> None:
+                   volume_mounts: list[dict[str, str]] | None = None,
+                   volume_modules: bool = False) -> None:
         """``POST /init``. With ``wait`` > 0 it also waits for envd to accept: a failed
         connect is retried for that long (every 20 ms, stopping early once ``alive`` says
         the VM is gone). Only connects are retried — a request that never connected was
@@ -379,6 +380,8 @@ class EnvdClient:
             body["caBundle"] = ca_bundle
         if volume_mounts:
             body["volumeMounts"] = volume_mounts  # [{name, path, nfsTarget}] (envd.mounts)
+        if volume_modules:
+            body["volumeModules"] = True  # load the NFS client now (envd.mounts)
         headers = {**self.extra_headers, **_IDENTITY}
         if current_token:
             headers["X-Access-Token"] = current_token

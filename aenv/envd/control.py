@@ -18,7 +18,7 @@ from .auth import UNAUTHORIZED
 from .errors import json_error
 from .guest import GuestHooks
 from .metrics import MetricsSampler
-from .mounts import MountError, mount_all
+from .mounts import MountError, load_modules, mount_all
 from .mounts import parse as parse_mounts
 from .state import ENVD_VERSION, EnvdState
 
@@ -68,6 +68,13 @@ def routes(state: EnvdState, hooks: GuestHooks) -> list[Route]:
             hooks.reseed(body["entropy"])
         if isinstance(body.get("caBundle"), str) and body["caBundle"]:
             hooks.trust_ca(body["caBundle"])  # the node's egress CA (aenv.egress.ca)
+        if body.get("volumeModules") is True and hooks.enabled:
+            # aenv: a template's snapshot carries the NFS client, so that sandboxes made
+            # from it mount volumes without loading modules first (seconds under TCG).
+            try:
+                await asyncio.to_thread(load_modules)
+            except (MountError, OSError) as e:
+                return json_error(500, f"loading the NFS modules failed: {e}")
         if mounts and hooks.enabled:  # only a guest's envd mounts (volumes, mounts.py)
             try:
                 await asyncio.to_thread(mount_all, mounts)

@@ -60,6 +60,7 @@ from .timing import PhaseTimer
 log = logging.getLogger("aenv.node")
 
 ENVD_READY_TIMEOUT_S = 60.0
+TEMPLATE_CLIENT = "aenv-template"  # client_id of a template's snapshot boot (service.py)
 START_READY_TIMEOUT_S = 120.0
 GUEST_SYNC_TIMEOUT_S = 60.0  # a filesystem pause's `sync` in the guest
 # How long a VMM pre-started for a paused sandbox's resume waits (``VMMPool.want_once``).
@@ -277,6 +278,8 @@ class NodeMachines:
         placement = await self._start_vm(rec, template)
         if rec.volume_mounts:
             await self._mount_volumes(rec, template, placement)
+        elif rec.client_id == TEMPLATE_CLIENT:
+            await self._init_volumes(rec, template, placement, [], modules=True)
         return placement
 
     async def _mount_volumes(self, rec: SandboxRecord, template: TemplateRecord,
@@ -290,21 +293,33 @@ class NodeMachines:
             running = self._running[rec.id]
             await asyncio.to_thread(volume_server.start, self.settings, running.slot.netns,
                                     sorted({m["volumeID"] for m in mounts}))
-            envd = EnvdClient(f"http://{placement.host_ip}:{ENVD_PORT}")
-            try:
-                await envd.init(
-                    access_token=rec.envd_token, env_vars=rec.env_vars,
-                    default_user=template.user or "user", default_workdir=template.workdir,
-                    current_token=rec.envd_token, timeout=60.0,
-                    volume_mounts=[{"name": m["name"], "path": m["path"], "nfsTarget":
-                                    f"{TAP_IP}:{volume_server.export_path(m['volumeID'])}"}
-                                   for m in mounts])
-            finally:
-                await envd.aclose()
+            await self._init_volumes(rec, template, placement, mounts, modules=False)
         except BaseException:
             await self.stop(rec)
             raise
         placement.phases["volumes"] = time.perf_counter() - t0
+
+    async def _init_volumes(self, rec: SandboxRecord, template: TemplateRecord,
+                            placement: Placement, mounts: list[dict[str, str]], *,
+                            modules: bool) -> None:
+        """envd's ``/init`` with ``volumeMounts``; with ``modules`` (a template's snapshot
+        boot) only the NFS client is loaded, so that every sandbox restored from the
+        snapshot has it: a failure there is logged, the template is made anyway."""
+        envd = EnvdClient(f"http://{placement.host_ip}:{ENVD_PORT}")
+        try:
+            await envd.init(
+                access_token=rec.envd_token, env_vars=rec.env_vars,
+                default_user=template.user or "user", default_workdir=template.workdir,
+                current_token=rec.envd_token, timeout=60.0, volume_modules=modules,
+                volume_mounts=[{"name": m["name"], "path": m["path"], "nfsTarget":
+                                f"{TAP_IP}:{volume_server.export_path(m['volumeID'])}"}
+                               for m in mounts])
+        except Exception as e:
+            if not modules:
+                raise
+            log.warning("template %s: NFS modules not preloaded: %s", rec.template_id, e)
+        finally:
+            await envd.aclose()
 
     async def _start_vm(self, rec: SandboxRecord, template: TemplateRecord) -> Placement:
         image = ImageRef.parse(template.image)
