@@ -23,11 +23,12 @@ of them:
 - ``answers``: afterwards, one by one, ``commands.run("true")`` in each sandbox; how many
   answered within 2 s, and their latency.
 
-VMMs under the VM directory that no sandbox holds (e.g. pre-started VMMs waiting in a pool)
-are reported apart (``other_vmms``). Output: one JSON object; ``goals``: issue 21's
-per-idle-sandbox targets (<= 40 MiB PSS, <= 5 ms/s CPU). The host has 2 shared cores,
-guests run under TCG, and other sessions' VMs may run at the same time (``host_busy_pct``,
-``load_avg``): compare runs, not single numbers.
+A sandbox's VMM is the process its record names (``vm_pid`` in the node's store, read only)
+or the one running in its directory; VMMs under the VM directory that no sandbox holds
+(pre-started VMMs waiting in the pool) are reported apart (``other_vmms``). Output: one
+JSON object; ``goals``: issue 21's per-idle-sandbox targets (<= 40 MiB PSS, <= 5 ms/s
+CPU). The host has 2 shared cores, guests run under TCG, and other sessions' VMs may run at
+the same time (``host_busy_pct``, ``load_avg``): compare runs, not single numbers.
 """
 
 from __future__ import annotations
@@ -69,6 +70,18 @@ def vmm_pids(vms_dir: Path) -> dict[int, str]:
         if cwd.startswith(root) and comm.startswith("qemu"):
             out[int(e.name)] = cwd[len(root):].split("/")[0]
     return out
+
+
+def record_pids(home: Path) -> dict[str, int]:
+    """sandbox id -> VMM pid, from the node's store (read only)."""
+    import sqlite3
+
+    db = sqlite3.connect(f"file:{home / 'aenv.db'}?mode=ro", uri=True, timeout=10)
+    try:
+        rows = db.execute("SELECT id, vm_pid FROM sandboxes WHERE vm_pid IS NOT NULL")
+        return {sid: int(pid) for sid, pid in rows}
+    finally:
+        db.close()
 
 
 def rollup_kib(pid: int) -> dict[str, int]:
@@ -153,8 +166,11 @@ async def _measure(srv: VMServer, args: argparse.Namespace) -> dict[str, Any]:
         log(f"settling {args.settle} s")
         await asyncio.sleep(args.settle)
         pids = vmm_pids(srv.settings.vms_dir)
-        mine = {p: d for p, d in pids.items() if d in ids}
-        others = {p: d for p, d in pids.items() if d not in ids}
+        # A sandbox given a pre-started VMM runs in that VMM's directory: the node's
+        # records say which process is whose.
+        held = {p: sid for sid, p in record_pids(srv.settings.home).items() if sid in ids}
+        mine = {p: d for p, d in pids.items() if d in ids or p in held}
+        others = {p: d for p, d in pids.items() if p not in mine}
         if len(mine) != args.n:
             log(f"found {len(mine)} sandbox VMMs for {args.n} sandboxes")
         assert srv.proc is not None
