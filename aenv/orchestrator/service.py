@@ -29,6 +29,7 @@ from ..store import (
     SandboxRecord,
     SandboxState,
     SandboxStore,
+    TemplateKind,
     TemplateRecord,
     TemplateStore,
 )
@@ -251,8 +252,17 @@ class Orchestrator:
             allow_internet=opts.allow_internet,
             network=opts.network,
             idempotency_key=opts.idempotency_key,
-            volume_mounts=opts.volume_mounts or None,
+            volume_mounts=opts.volume_mounts or self._snapshot_mounts(tpl),
         )
+
+    def _snapshot_mounts(self, tpl: TemplateRecord) -> list[dict[str, str]] | None:
+        """A persistent snapshot's guest has its source's volumes mounted: sandboxes made
+        from it mount them too (while the source's record is kept), or its NFS mounts
+        would hang on a namespace with no server."""
+        if tpl.kind is not TemplateKind.SNAPSHOT or not tpl.source_sandbox:
+            return None
+        src = self.sandboxes.get(tpl.source_sandbox, live_only=False)
+        return src.volume_mounts if src is not None else None
 
     async def _start(self, rec: SandboxRecord, tpl: TemplateRecord,
                      timeout: int) -> dict[str, float]:

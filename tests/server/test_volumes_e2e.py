@@ -38,6 +38,7 @@ def _run(sbx: Sandbox, cmd: str) -> str:
 def test_a_volume_shared_by_sandboxes_across_pause_and_fork(volume_sdk) -> None:
     vol = Volume.create("e2e-shared")
     sandboxes: list[Sandbox] = []
+    snap = None
     try:
         vol.write_file("/from-api.txt", "written through the API\n")
         a = Sandbox.create("base", timeout=600, volume_mounts={MNT: vol})
@@ -75,12 +76,22 @@ def test_a_volume_shared_by_sandboxes_across_pause_and_fork(volume_sdk) -> None:
         assert vol.read_file("/child.txt") == "from-child\n"
         assert [m["name"] for m in child.get_info().volume_mounts] == ["e2e-shared"]
 
+        # a persistent snapshot's sandboxes mount the volume too (its guest had it)
+        snap = child.create_snapshot()
+        from_snap = Sandbox.create(snap.snapshot_id, timeout=300)
+        sandboxes.append(from_snap)
+        assert [m["path"] for m in from_snap.get_info().volume_mounts] == [MNT]
+        _run(from_snap, f"echo from-snapshot > {MNT}/snap.txt")
+        assert vol.read_file("/snap.txt") == "from-snapshot\n"
+
         # a mounted volume is not deleted
         with pytest.raises(Exception, match="409"):
             Volume.destroy(vol.volume_id)
     finally:
         for s in sandboxes:
             s.kill()
+        if snap is not None:
+            Sandbox.delete_snapshot(snap.snapshot_id)
     assert Volume.destroy(vol.volume_id)
     assert not Volume.destroy(vol.volume_id)
 
