@@ -11,7 +11,8 @@ One listener, as a node has (``aenv.proxy.front.Front`` decides per request):
   created with ``autoResume`` whose node offered it to the cluster (shared store): the
   traffic resumes it on another node, as a connect would (below), and then goes there;
   concurrent requests wait for the one resume. A route found is reused for
-  ``ROUTE_CACHE_S`` (1 s).
+  ``ROUTE_CACHE_S`` (5 s) unless its node stops answering or answers 502 (the sandbox is
+  not there: killed, or moved by another gateway), which drops it at once.
   Signed ``/files`` URLs and token-only envd calls need the sandbox's token, which a
   gateway does not have: it asks the nodes whose they are (``owners``), then routes them.
 - REST, after the client's ``X-API-KEY`` is checked against the gateway's key:
@@ -87,9 +88,9 @@ CONNECT_TIMEOUT_S = 2.0
 CREATE_TIMEOUT_S = 120.0     # a create on a busy TCG node can take long; then the next node
 CALL_TIMEOUT_S = 300.0       # pause/fork/connect may take a while under TCG
 LIST_TIMEOUT_S = 10.0
-# Sandbox traffic reuses a route this long before asking Redis again (two round trips):
-# a sandbox gone meanwhile gets the node's own 502, a node gone its connection error.
-ROUTE_CACHE_S = 1.0
+# Sandbox traffic reuses a route this long before asking Redis again (two round trips);
+# the relay drops it sooner when the node does not answer or answers 502 (``on_stale``).
+ROUTE_CACHE_S = 5.0
 ROUTE_CACHE_SIZE = 100_000
 # What a resume by traffic asks for (the node's own auto-resume gives the same).
 AUTO_RESUME_TIMEOUT_S = 300
@@ -159,6 +160,7 @@ class Gateway:
                                  follow_redirects=False)
         self.in_flight: Counter[str] = Counter()   # creates this gateway has sent, per node
         self.proxy = ProxyRouter(RouteTable(self._route))
+        self.proxy.on_stale = self._forget_route
         self._routes: dict[str, tuple[float, Route]] = {}  # sandbox id -> (until, route)
         self._resuming: dict[str, asyncio.Task[bool]] = {}  # by traffic, per sandbox id
         rest = ApiKeyMiddleware(self._rest, api_key)
@@ -191,6 +193,9 @@ class Gateway:
                     self._routes.clear()
             self._routes[sandbox_id] = (now + ROUTE_CACHE_S, route)
         return route
+
+    def _forget_route(self, sandbox_id: str) -> None:
+        self._routes.pop(sandbox_id, None)
 
     async def _lookup(self, sandbox_id: str) -> Route | None:
         try:

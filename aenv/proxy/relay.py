@@ -122,11 +122,12 @@ class Relay:
             self._idle.append((time.monotonic(), conn))
 
     async def relay(self, method: str, target: bytes, headers: Headers, body: BodySource,
-                    send: Send) -> None:
+                    send: Send) -> int:
         """Send the request, relay the answer to ``send`` as it comes.
 
-        Raises ``UpstreamUnavailable`` when no status line came (nothing was sent to the
-        client), ``UpstreamLost`` when the answer broke off after it.
+        Returns the answer's status. Raises ``UpstreamUnavailable`` when no status line
+        came (nothing was sent to the client), ``UpstreamLost`` when the answer broke off
+        after it.
         """
         whole = await body.held()
         conn = self._reuse() if whole is not None else None
@@ -135,10 +136,11 @@ class Relay:
                 return await self._exchange(conn, method, target, headers, body, send)
             except UpstreamUnavailable:
                 pass  # the idle connection was dead: once more on a new one
-        await self._exchange(await self._connect(), method, target, headers, body, send)
+        return await self._exchange(await self._connect(), method, target, headers, body,
+                                    send)
 
     async def _exchange(self, conn: Connection, method: str, target: bytes, headers: Headers,
-                        body: BodySource, send: Send) -> None:
+                        body: BodySource, send: Send) -> int:
         reader, writer = conn
         keep = False
         try:
@@ -154,16 +156,18 @@ class Relay:
                 await writer.drain()
             except (OSError, RuntimeError) as e:
                 raise UpstreamUnavailable(f"request not sent: {e}") from e
-            keep = await _answer(reader, send)
+            keep, status = await _answer(reader, send)
         finally:
             if keep:
                 self._keep(conn)
             else:
                 writer.close()
+        return status
 
 
-async def _answer(reader: asyncio.StreamReader, send: Send) -> bool:
-    """Relay one response; True when the connection may carry another request."""
+async def _answer(reader: asyncio.StreamReader, send: Send) -> tuple[bool, int]:
+    """Relay one response; whether the connection may carry another request, and the
+    response's status."""
     answer = _Answer()
     parser = answer.parser
     started = False
@@ -194,11 +198,11 @@ async def _answer(reader: asyncio.StreamReader, send: Send) -> bool:
         for i, chunk in enumerate(chunks):
             await send({"type": "http.response.body", "body": chunk, "more_body": i != last})
         if answer.done and chunks:
-            return answer.keep_alive
+            return answer.keep_alive, parser.get_status_code()
     await send({"type": "http.response.body", "body": b""})
     # An answer the parser saw end (framed, or bodiless: 204, 304) leaves the connection
     # reusable when HTTP says so; one that ended with the connection does not.
-    return answer.done and answer.keep_alive
+    return answer.done and answer.keep_alive, parser.get_status_code()
 
 
 class BodySource:
@@ -237,6 +241,11 @@ class BodySource:
                     self._ahead = []
                     break
         return self._held if self._read else None
+
+    @property
+    def replayable(self) -> bool:
+        """Whether the body can be sent again (held whole, or none)."""
+        return self._held is not None or not self._read
 
     def framing(self) -> list[bytes]:
         if self._held is not None:

@@ -195,6 +195,9 @@ class ProxyRouter:
         self._relays: dict[str, tuple[str, Relay]] = {}  # a gateway's, by Route.pool
         # Off: a gateway's hop goes through httpx as a node's does (benchmarks compare).
         self.relay_to_nodes = True
+        # A gateway's: called with the sandbox id when its node did not answer or answered
+        # 502 (the sandbox is not there any more): a cached route to it is stale.
+        self.on_stale: Callable[[str], None] | None = None
         self._closing: set[asyncio.Task[None]] = set()
         self._websockets: dict[str, set[websockets.ClientConnection]] = {}
 
@@ -283,24 +286,42 @@ class ProxyRouter:
 
     async def _to_node(self, scope: Scope, receive: Receive, send: Send, route: Route,
                        port: int, path: bytes) -> None:
-        """A gateway's hop: the request relayed to the sandbox's node (``relay``)."""
-        headers = route.upstream_headers(scope, port)
-        host = _header(scope, b"host")
-        if host:
-            headers.append((b"host", host.encode()))  # the node adds x-forwarded-host
+        """A gateway's hop: the request relayed to the sandbox's node (``relay``). When the
+        node does not answer, the route is dropped (``on_stale``) and looked up again:
+        one that changed (the sandbox resumed elsewhere meanwhile) gets the request once
+        more, when its body could be held."""
         query = scope.get("query_string")
         target = path + b"?" + query if query else path
         body = body_source(receive, scope["headers"], scope["method"])
-        try:
-            await self._relay(route).relay(scope["method"], target, headers, body, send)
-        except UpstreamUnavailable as e:
-            log.info("sandbox %s: node failed before a response: %s", route.sandbox_id, e)
-            await _answer(send, *not_found(route.sandbox_id))
-        except UpstreamLost as e:
-            log.warning("sandbox %s: node connection lost while streaming %s (%s); "
-                        "resetting the client's connection", route.sandbox_id,
-                        scope["path"], e)
-            await _reset_client(send)
+        for attempt in (1, 2):
+            headers = route.upstream_headers(scope, port)
+            host = _header(scope, b"host")
+            if host:
+                headers.append((b"host", host.encode()))  # the node adds x-forwarded-host
+            try:
+                status = await self._relay(route).relay(scope["method"], target, headers,
+                                                        body, send)
+            except UpstreamUnavailable as e:
+                log.info("sandbox %s: node failed before a response: %s", route.sandbox_id, e)
+                if self.on_stale is not None:
+                    self.on_stale(route.sandbox_id)
+                    if attempt == 1 and body.replayable:
+                        fresh = await self.routes.lookup(route.sandbox_id)
+                        if fresh is not None and fresh.node is not None and \
+                                fresh.generation != route.generation:
+                            route = fresh
+                            continue
+                await _answer(send, *not_found(route.sandbox_id))
+                return
+            except UpstreamLost as e:
+                log.warning("sandbox %s: node connection lost while streaming %s (%s); "
+                            "resetting the client's connection", route.sandbox_id,
+                            scope["path"], e)
+                await _reset_client(send)
+                return
+            if status == 502 and self.on_stale is not None:
+                self.on_stale(route.sandbox_id)
+            return
 
     async def _http(self, scope: Scope, receive: Receive, send: Send, route: Route,
                     port: int, path: bytes) -> None:

@@ -140,7 +140,8 @@ def test_the_gateway_reports_both_nodes(cluster: Cluster) -> None:
         c2 = c.get("/nodes/c2").json()
         assert c2["sandboxes"] == {"running": 0, "paused": 0, "starting": 0}
         # its budgets, as its admission applies them (host x overcommit), and their use
-        assert c2["capacity"]["cpuCount"] == 16 * (os.cpu_count() or 1)
+        cores = os.cpu_count() or 1   # x AENV_CPU_OVERCOMMIT, whatever its default
+        assert c2["capacity"]["cpuCount"] >= cores and c2["capacity"]["cpuCount"] % cores == 0
         assert c2["capacity"]["memoryMB"] > 0 and c2["capacity"]["maxStarting"] > 0
         assert c2["usage"] == {"cpuCount": 0, "memoryMB": 0}
         assert c.get("/nodes").status_code == 200

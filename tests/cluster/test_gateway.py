@@ -19,7 +19,7 @@ import uvicorn
 from starlette.types import Receive, Scope, Send
 
 from aenv.api.listing import decode_cursor
-from aenv.cluster.gateway import ROUTE_CACHE_S, Gateway
+from aenv.cluster.gateway import Gateway
 from aenv.cluster.registry import IndexEntry, NodeRecord, Registry
 from tests.cluster.redis_server import RedisServer
 from tests.conftest import free_port
@@ -38,6 +38,7 @@ class FakeNode:
     sandboxes: list[dict[str, Any]] = field(default_factory=list)
     seen: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)
     port: int = field(default_factory=free_port)
+    gone: set[str] = field(default_factory=set)   # sandboxes whose traffic answers 502
 
     @property
     def url(self) -> str:
@@ -52,7 +53,9 @@ class FakeNode:
         self.seen.append((scope["method"], scope["path"], headers))
         status, body = 200, b"{}"
         extra: list[tuple[bytes, bytes]] = []
-        if "e2b-sandbox-id" in headers and "x-aenv-cluster-secret" not in headers:
+        if headers.get("e2b-sandbox-id") in self.gone:  # as a node's proxy answers
+            status, body = 502, b'{"code": 502, "message": "The sandbox was not found"}'
+        elif "e2b-sandbox-id" in headers and "x-aenv-cluster-secret" not in headers:
             body = json.dumps({"node": self.name, "path": scope["path"],
                                "sandbox": headers["e2b-sandbox-id"],
                                "port": headers["e2b-sandbox-port"]}).encode()
@@ -208,8 +211,9 @@ async def test_lists_merge_every_live_nodes_answer_and_page_across_nodes(cluster
     assert len(r.json()) == 5 and r.headers["x-aenv-unreachable-nodes"] == "c"
 
 
-async def test_sandbox_traffic_goes_to_the_sandboxs_node_by_header_or_host(cluster) -> None:
-    reg, client, _, b = cluster
+async def test_sandbox_traffic_goes_to_the_sandboxs_node_by_header_or_host(
+        cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    reg, client, a, b = cluster
     await reg.publish(NodeRecord("b", b.url, "t"), [IndexEntry("sb2")])
     plain = httpx.AsyncClient(transport=client._transport, base_url="http://gw")
     async with plain:
@@ -222,10 +226,29 @@ async def test_sandbox_traffic_goes_to_the_sandboxs_node_by_header_or_host(clust
         r = await plain.get("/health", headers={"E2b-Sandbox-Id": "gone",
                                                 "E2b-Sandbox-Port": "49983"})
         assert r.status_code == 502 and r.json()["message"] == "The sandbox was not found"
-        await reg.leave("b")  # its node past its TTL: not routed, once the
-        await asyncio.sleep(ROUTE_CACHE_S + 0.1)  # route the gateway reuses expired
-        r = await plain.get("/health", headers={"E2b-Sandbox-Id": "sb2",
-                                                "E2b-Sandbox-Port": "49983"})
+        # moved to a (by another gateway): b's 502 drops the cached route at once
+        route = {"E2b-Sandbox-Id": "sb2", "E2b-Sandbox-Port": "49983"}
+        b.gone.add("sb2")
+        await reg.publish(NodeRecord("a", a.url, "t"), [IndexEntry("sb2")])
+        assert (await plain.get("/health", headers=route)).status_code == 502
+        assert (await plain.get("/health", headers=route)).json()["node"] == "a"
+        # its node does not answer (the cached route says d): looked up again, and sent
+        # once more where the sandbox is now
+        dead = f"http://127.0.0.1:{free_port()}"
+        await reg.publish(NodeRecord("d", dead, "t"), [IndexEntry("sb4")])
+        sb4 = {**route, "E2b-Sandbox-Id": "sb4"}
+        assert (await plain.get("/health", headers=sb4)).status_code == 502  # nowhere else
+        await reg.publish(NodeRecord("a", a.url, "t"), [IndexEntry("sb2"), IndexEntry("sb4")])
+        r = await plain.get("/health", headers=sb4)
+        assert r.status_code == 200 and r.json()["node"] == "a"
+        # a node past its TTL: not routed, once the route the gateway reuses expired
+        monkeypatch.setattr("aenv.cluster.gateway.ROUTE_CACHE_S", 0.3)
+        await reg.publish(NodeRecord("b", b.url, "t"), [IndexEntry("sb3")])
+        sb3 = {**route, "E2b-Sandbox-Id": "sb3"}
+        assert (await plain.get("/health", headers=sb3)).json()["node"] == "b"
+        await reg.leave("b")
+        await asyncio.sleep(0.4)
+        r = await plain.get("/health", headers=sb3)
         assert r.status_code == 502
 
 
