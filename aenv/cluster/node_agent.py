@@ -46,10 +46,14 @@ _CHANGES = re.compile(
 class NodeAgent:
     def __init__(self, registry: Registry, record: NodeRecord,
                  index: Callable[[], list[IndexEntry]],
-                 usage: Callable[[], Usage] | None = None) -> None:
+                 usage: Callable[[], Usage] | None = None,
+                 fresh_index: Callable[[], list[IndexEntry]] | None = None) -> None:
         self.registry = registry
         self.record = record          # id, URL, version, capacity; counts filled per publish
         self.index = index
+        # What is published, when ``index`` may answer from a cache (``node_setup``): read
+        # afresh only when a publish is due.
+        self.fresh_index = fresh_index
         self.usage = usage or Usage
         self._lock = asyncio.Lock()
         self._published: tuple[frozenset[IndexEntry], Usage] | None = None
@@ -108,6 +112,8 @@ class NodeAgent:
             usage = self.usage()
             if not force and (entries, usage) == self._published:
                 return True
+            if self.fresh_index is not None:
+                entries = frozenset(self.fresh_index())
             record = replace(self.record, running=sum(e.running for e in entries),
                              paused=sum(not e.running for e in entries),
                              starting=usage.starting, vcpus_used=usage.vcpus_used,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,11 +21,15 @@ from typing import Any
 from .. import __version__
 from ..config import Settings
 from ..storage import shared_store
-from ..store import VM_STATES, SandboxState, SandboxStore
+from ..store import VM_STATES, SandboxRecord, SandboxState, SandboxStore
 from .handover import Handover
 from .node_agent import NodeAgent
 from .registry import IndexEntry, NodeRecord, Registry, Usage
 
+# A heartbeat's index reads whether another node took a paused sandbox at most this often
+# (two shared-store reads per paused sandbox: costly on NFS with many); a publish reads it
+# afresh (``NodeAgent.fresh_index``), so a stale answer never routes one back here.
+MOVED_CHECK_S = 10.0
 # States of a sandbox getting its VM: what a node's ``max_starting`` counts.
 STARTING_STATES = (SandboxState.CREATING, SandboxState.RESUMING)
 
@@ -131,15 +136,31 @@ def node_agent(settings: Settings, sandboxes: SandboxStore,
         return requires[ref]
 
     handover = Handover(shared, record.node_id) if shared else None
+    checked: dict[tuple[str, str | None], tuple[float, bool]] = {}  # moved, until when
 
-    def index() -> list[IndexEntry]:
+    def moved(r: SandboxRecord, fresh: bool) -> bool:
+        """Whether another node took paused ``r`` (two reads of the shared store): read
+        again at most every ``MOVED_CHECK_S``, or when ``fresh``."""
+        key, now = (r.id, r.snapshot_id), time.monotonic()
+        hit = checked.get(key)
+        if fresh or hit is None or hit[0] <= now:
+            assert handover is not None
+            hit = checked[key] = (now + MOVED_CHECK_S, handover.moved(r))
+        return hit[1]
+
+    def entries(fresh: bool) -> list[IndexEntry]:
         # A paused sandbox another node took is not published, even before the orchestrator
         # forgets it (``drop_moved``): it would route the sandbox back here.
+        live = sandboxes.live()
+        paused = {(r.id, r.snapshot_id) for r in live if r.state == SandboxState.PAUSED}
+        for gone in [k for k in checked if k not in paused]:
+            del checked[gone]
         return [IndexEntry(r.id, r.state in VM_STATES,
                            offered(r.snapshot_id) if r.state == SandboxState.PAUSED else "",
                            auto_resume=r.auto_resume and r.state == SandboxState.PAUSED)
-                for r in sandboxes.live()
+                for r in live
                 if handover is None or r.state != SandboxState.PAUSED
-                or not handover.moved(r)]
+                or not moved(r, fresh)]
 
-    return NodeAgent(Registry.from_url(settings.cluster), record, index, usage_of(sandboxes))
+    return NodeAgent(Registry.from_url(settings.cluster), record, lambda: entries(False),
+                     usage_of(sandboxes), fresh_index=lambda: entries(True))

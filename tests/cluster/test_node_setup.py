@@ -126,3 +126,59 @@ def test_a_node_publishes_its_budgets_and_what_its_sandboxes_use(tmp_path: Path)
         assert (used.starting, used.vcpus_used, used.memory_used_mb) == (2, 4, 1792)
     finally:
         db.close()
+
+
+async def test_the_taken_check_is_read_at_most_every_few_seconds_but_afresh_to_publish(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On NFS every read costs: a heartbeat's index asks the shared store whether another
+    node took a paused sandbox at most every MOVED_CHECK_S; what is published is read
+    afresh, so a stale answer never routes a taken sandbox back."""
+    import dataclasses
+
+    from aenv.cluster import node_setup
+    from aenv.cluster.handover import Handover
+    from aenv.storage.shared_store import SharedStore
+    from aenv.store import Database, SandboxRecord, SandboxState, SandboxStore
+
+    s = Settings.from_env({"AENV_HOME": str(tmp_path / "home"), "AENV_CLUSTER":
+                           "redis://127.0.0.1:1/0", "AENV_CLUSTER_SECRET": "x" * 32,
+                           "AENV_NODE_ID": "a", "AENV_ADVERTISE_URL": "http://127.0.0.1:9",
+                           "AENV_SHARED_STORE": str(tmp_path / "shared")})
+    store = SharedStore(tmp_path / "shared")
+    db = Database(tmp_path / "db.sqlite")
+    sandboxes = SandboxStore(db)
+    for sid, snap in (("kept", "s1"), ("later", "s2")):
+        (store.root / "refs").mkdir(parents=True, exist_ok=True)
+        (store.root / "refs" / snap).write_text("0" * 64)
+        rec = SandboxRecord(id=sid, template_id="base", state=SandboxState.PAUSED,
+                            client_id="c", started_at=1.0, end_at=2.0, cpu_count=1,
+                            memory_mb=512, disk_size_mb=2048, snapshot_id=f"snapshot:{snap}")
+        sandboxes.insert(dataclasses.replace(rec))
+        Handover(store, "a").offer(rec, {"driver": "qemu"})
+    reads: list[str] = []
+    real = Handover.moved
+
+    def counted(self: Handover, rec: SandboxRecord) -> bool:
+        reads.append(rec.id)
+        return real(self, rec)
+
+    monkeypatch.setattr(Handover, "moved", counted)
+    agent = node_setup.node_agent(s, sandboxes)
+    try:
+        assert [e.sandbox_id for e in agent.index()] == ["kept", "later"]
+        assert [e.sandbox_id for e in agent.index()] == ["kept", "later"]
+        assert sorted(reads) == ["kept", "later"]              # read once, then kept
+        assert Handover(store, "b").claim("later") is not None
+        assert [e.sandbox_id for e in agent.index()] == ["kept", "later"]  # not yet seen
+        assert agent.fresh_index is not None
+        assert [e.sandbox_id for e in agent.fresh_index()] == ["kept"]     # to publish
+        assert [e.sandbox_id for e in agent.index()] == ["kept"]
+        monkeypatch.setattr(node_setup, "MOVED_CHECK_S", 0.0)
+        agent.fresh_index()                                    # kept for 0 s from now on
+        reads.clear()
+        agent.index()
+        agent.index()
+        assert reads == ["kept", "later"] * 2                  # past the interval: again
+    finally:
+        await agent.registry.close()
+        db.close()
