@@ -407,13 +407,17 @@ class NodeMachines:
         A VMM that fails to load is discarded and the sandbox restored as usual."""
         slot, workdir = pooled.slot, pooled.workdir
         vm: VM | None = None
+        assert self.vmm_pool is not None
         try:
             vm = await self.runtime.activate(pooled.pre)  # type: ignore[attr-defined]
         except VMError as e:
             log.warning("sandbox %s: pre-started VMM %s failed (%s); restoring anew", rec.id,
                         pooled.pre.vm_id, e)
-            await self.vmm_pool.discard(pooled)  # type: ignore[union-attr]
+            await self.vmm_pool.discard(pooled)
             return await self._restore_anew(rec, template, directory, timer)
+        except BaseException:
+            await self.vmm_pool.discard(pooled)  # its directory and slot go too
+            raise
         assert vm is not None
         timer.mark("state_load")
         try:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qemu.qmp import QMPClient, QMPError
+from qemu.qmp import EventListener, QMPClient, QMPError
 
 from . import confine, qemu_args, qemu_snapshot
 from . import workdir as wd
@@ -505,15 +505,23 @@ class QemuRuntime(Runtime):
             if not process.is_alive():
                 raise SnapshotError(f"VMM exited with status {process.returncode} while "
                                     "waiting for its state", vm_id=spec.vm_id)
-            await qmp.execute("migrate-incoming", {"uri": f"fd:{pre.state_fd}"})
-            deadline = time.monotonic() + QMP_TIMEOUT
-            while (status := (await qmp.execute("query-status"))["status"]) == "inmigrate":  # type: ignore[index]
-                if time.monotonic() > deadline:
-                    raise SnapshotError(f"device state did not load in {QMP_TIMEOUT}s",
-                                        vm_id=spec.vm_id)
-                await asyncio.sleep(0.001)
-            if status != "running":  # autostart (prestart's ``cont``) runs it when loaded
-                raise SnapshotError(f"VMM came up {status} after loading", vm_id=spec.vm_id)
+            # The vCPUs start (autostart) once the state is loaded: QEMU says so with a
+            # RESUME event, which is awaited rather than polled for.
+            resumed = EventListener(("RESUME",))
+            with qmp.listen(resumed):
+                await qmp.execute("migrate-incoming", {"uri": f"fd:{pre.state_fd}"})
+                deadline = time.monotonic() + QMP_TIMEOUT
+                while True:
+                    try:
+                        await asyncio.wait_for(resumed.get(), 0.05)
+                        break
+                    except TimeoutError:
+                        if not process.is_alive():
+                            raise SnapshotError("VMM exited while loading its state",
+                                                vm_id=spec.vm_id) from None
+                        if time.monotonic() > deadline:
+                            raise SnapshotError(f"device state did not load in "
+                                                f"{QMP_TIMEOUT}s", vm_id=spec.vm_id) from None
             now = time.monotonic()
             timings["state_loaded"] = now - t0
             timings["running"] = now - t0

@@ -54,6 +54,7 @@ log = logging.getLogger("aenv.runtime")
 
 PREFIX = "vp"  # working directories of pooled VMMs: <vms_dir>/vp<hex>
 _RETRY_AFTER_FAILURE_S = 2.0
+_CLOSE_WAIT_S = 30.0  # close waits this long for the filler's step under way
 _WAIT_FOR_MAKING_S = 2.0  # a one-shot take waits this long for its VMM being made
 
 
@@ -157,10 +158,16 @@ class VMMPool(Generic[S]):
     async def close(self) -> None:
         """Stop filling, end every pooled VMM and give its slot back."""
         self._closed = True
+        self._wake.set()
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            # Let the filler finish what it is doing (a VMM being made or discarded):
+            # cancelled half way, it could leave a process, directory or slot behind.
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), _CLOSE_WAIT_S)
+            except TimeoutError:
+                self._task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._task
             self._task = None
         entries = [e for q in self._idle.values() for e in q]
         self._idle.clear()
