@@ -366,13 +366,22 @@ class ProxyRouter:
                            if k.lower() not in _HOP_BY_HOP or k.lower() == b"content-length"]
             await send({"type": "http.response.start", "status": upstream.status_code,
                         "headers": out_headers})
+            # uvicorn drops what is sent after the client went away without saying so: a
+            # stream that never ends (a code-interpreter cell past the SDK's timeout, with
+            # its keepalives) would keep the guest's connection, so the guest never saw
+            # the client go. The request body is sent by now; receive() reports the end.
+            gone = asyncio.ensure_future(_client_gone(receive))
             try:
                 async for chunk in upstream.aiter_raw():
+                    if gone.done():
+                        return  # the finally closes the guest's connection
                     await send({"type": "http.response.body", "body": chunk,
                                 "more_body": True})
             except (httpx.HTTPError, httpx.StreamError) as e:
                 self._log_lost(route, client, upstream, e)
                 return await _reset_client(send)
+            finally:
+                gone.cancel()
             await send({"type": "http.response.body", "body": b""})
         finally:
             await upstream.aclose()
@@ -485,6 +494,13 @@ async def _reset_client(send: Send) -> None:
     # as incomplete ("ASGI callable returned without completing response").
     for _ in range(2):
         await asyncio.sleep(0)
+
+
+async def _client_gone(receive: Receive) -> None:
+    """Returns once the client has disconnected (what is left of a request body is read
+    and dropped)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _request_body(receive: Receive) -> AsyncIterator[bytes]:
