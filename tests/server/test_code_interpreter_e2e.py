@@ -21,7 +21,8 @@ from collections.abc import Iterator
 import pytest
 from e2b_code_interpreter import Sandbox
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_json_script
+from tests.jsflow import JS_DIR
 
 pytestmark = [pytest.mark.vm, pytest.mark.net]
 
@@ -67,8 +68,10 @@ def test_run_code_in_a_fresh_sandbox(interpreter_template, module_sdk) -> None:
         assert ex.error is None, ex.error
         from PIL import Image
 
-        png = next(r.png for r in ex.results if r.png)
-        assert Image.open(io.BytesIO(base64.b64decode(png))).size == (120, 80)
+        shown = next(r for r in ex.results if r.png)
+        assert Image.open(io.BytesIO(base64.b64decode(shown.png))).size == (120, 80)
+        assert shown.chart is not None and shown.chart.type.value == "line"  # chart data
+        assert [e.points for e in shown.chart.elements] == [[(0, 1), (1, 2)]]
         err = sbx.run_code("1/0").error
         assert err is not None and err.name == "ZeroDivisionError"
         # the libraries are every python3's, not only the kernel's
@@ -100,6 +103,76 @@ def test_kernel_state_survives_pause_resume_and_forks_diverge(interpreter_templa
         for s in made:
             with contextlib.suppress(Exception):
                 s.kill()
+
+
+@pytest.mark.timeout(900)
+def test_bash_javascript_and_typescript_kernels(interpreter_template, module_sdk) -> None:
+    """The other kernels the template installs, as the template's user: bash (bash_kernel,
+    its default context started before the snapshot) and Deno's kernel for javascript and
+    typescript (one default context for both, started on first use)."""
+    sbx = Sandbox.create()
+    try:
+        ex = sbx.run_code("echo \"$(whoami) in $PWD\"; X=5", language="bash", timeout=300)
+        assert ex.error is None and "".join(ex.logs.stdout) == "user in /home/user\n", ex
+        ex = sbx.run_code("echo $X; false", language="bash")
+        assert "".join(ex.logs.stdout) == "5\n" and ex.error is not None, ex
+        ctx = sbx.create_code_context(language="bash", cwd="/tmp")
+        out = sbx.run_code("pwd; echo ${X:-unset}", context=ctx, timeout=300).logs.stdout
+        assert "".join(out) == "/tmp\nunset\n"  # a context of its own
+        ex = sbx.run_code("const a = 40; console.log('from js'); a + 2",
+                          language="javascript", timeout=600)
+        assert (ex.error, ex.text, "".join(ex.logs.stdout)) == (None, "42", "from js\n"), ex
+        ex = sbx.run_code("const t: number = a * 2; t", language="ts", timeout=600)
+        assert (ex.error, ex.text) == (None, "80"), ex  # one Deno kernel for both
+        err = sbx.run_code("throw new TypeError('bad')", language="javascript").error
+        assert err is not None and (err.name, err.value) == ("TypeError", "bad"), err
+        with pytest.raises(Exception, match="no kernel for language 'r'"):
+            sbx.run_code("1", language="r")
+    finally:
+        sbx.kill()
+
+
+@pytest.mark.timeout(600)
+def test_a_cell_interrupted_by_its_timeout_leaves_the_context_usable(
+        interpreter_template, module_sdk) -> None:
+    from e2b.exceptions import TimeoutException
+
+    sbx = Sandbox.create()
+    try:
+        sbx.run_code("kept = 'before'")
+        started = time.monotonic()
+        with pytest.raises(TimeoutException):
+            sbx.run_code("import time\nwhile True: time.sleep(0.1)", timeout=3)
+        assert time.monotonic() - started < 30
+        ex = sbx.run_code("kept", timeout=60)
+        assert (ex.error, ex.text) == (None, "before"), ex
+    finally:
+        sbx.kill()
+
+
+@pytest.mark.js
+@pytest.mark.timeout(600)
+def test_the_js_sdk_runs_code(interpreter_template, module_sdk) -> None:
+    """@e2b/code-interpreter (newest) against the real template: values, an error,
+    callbacks while the cell runs, envs per run, a context of its own, restart, remove."""
+    if not (JS_DIR / "node_modules/@e2b/code-interpreter").is_dir():
+        pytest.fail("@e2b/code-interpreter is missing from tests/js: run ./scripts/setup.sh")
+    out = run_json_script(["node", "code_interpreter.mjs"], {
+        "E2B_API_KEY": module_sdk.api_key, "E2B_API_URL": module_sdk.url,
+        "E2B_SANDBOX_URL": module_sdk.url}, cwd=JS_DIR, timeout=300)
+    assert (out["text"], out["stdout"], out["state"]) == ("42", ["out\n"], "43")
+    assert isinstance(out["executionCount"], int) and out["executionCount"] >= 1
+    assert out["error"] == {"name": "ValueError", "value": "from js", "tracebackHasName": True}
+    kinds = [e[:2] for e in out["events"]]
+    assert kinds == [["stdout", "a\n"], ["stderr", "b\n"], ["result", "done"]], out["events"]
+    # "a" came before the 1.5 s sleep ended, "b" after it: streamed, not sent at the end
+    assert out["events"][1][2] - out["events"][0][2] >= 1000, out["events"]
+    assert out["streamedText"] == "done" and out["onError"] == ["NameError"]
+    assert out["envs"] == "per run"
+    assert out["context"] == {"language": "python", "cwd": "/tmp"}
+    assert out["contextCwd"] == "/tmp" and out["contextOwnState"] == "in ctx"
+    assert out["defaultLacksIt"] == "NameError" and out["listed"] is True
+    assert out["afterRestart"] == "NameError" and out["listedAfterRemove"] is False
 
 
 def _p50(xs: list[float]) -> float:
