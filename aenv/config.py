@@ -411,9 +411,9 @@ class Settings(_Declared):
         doc="VMMs kept started ahead of demand per template snapshot, waiting for a create "
             "to load its state (at most; sized by the creates of the last minute); 0: none")
     vmm_pool_memory_mb: int = setting(
-        "AENV_VMM_POOL_MEMORY_MB", 2048, check=_at_least(0),
+        "AENV_VMM_POOL_MEMORY_MB", 4096, check=_at_least(0),
         doc="guest memory all pre-started VMMs together may stand for (each counts its "
-            "template's)")
+            "snapshot's; while it waits it holds ~40 MiB)")
     snapshot_base: bool = setting(
         "AENV_SNAPSHOT_BASE", True, flag="--snapshot-base/--no-snapshot-base",
         doc="keep the `base` template as a snapshot, so creates restore instead of "
