@@ -685,7 +685,8 @@ class NodeMachines:
         failure is logged: the snapshot stays usable here, only not elsewhere."""
         if self.shared is None:
             return
-        roots = shared_store.LocalRoots(self.settings.snapshots_dir, self.settings.layers_dir)
+        roots = shared_store.LocalRoots(self.settings.snapshots_dir, self.settings.layers_dir,
+                                        self.settings.images_dir)
         started = time.monotonic()
         try:
             await asyncio.to_thread(self.shared.publish, roots, snapshot_id)
@@ -706,7 +707,8 @@ class NodeMachines:
         dependency before the snapshot that reaches it."""
         if self.shared is None or not self.shared.has(snapshot_id):
             return
-        roots = shared_store.LocalRoots(self.settings.snapshots_dir, self.settings.layers_dir)
+        roots = shared_store.LocalRoots(self.settings.snapshots_dir, self.settings.layers_dir,
+                                        self.settings.images_dir)
         started = time.monotonic()
         async with self._snapshot_lock:
             try:
