@@ -263,6 +263,7 @@ def test_one_cell_at_a_time_per_context(sbx: Sandbox) -> None:
     sbx.remove_code_context(ctx)
 
 
+@pytest.mark.slow  # a server of its own: kernel start and warm-up, ~7 s
 def test_warm_up_runs_a_cell_and_leaves_no_trace(tmp_path: Path) -> None:
     """--warm-up (the template's start command): /health waits for one cell sent through
     the server's own HTTP API; the user's first cell still is number 1, with ``_`` and
