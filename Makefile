@@ -22,9 +22,11 @@ cluster-stop:
 
 # The quick loop: every test that needs no VM, no network namespaces and no node, and is
 # not marked slow (markers: pyproject.toml), on 4 pytest-xdist workers: these tests mostly
-# wait on subprocesses and sockets, so 4 fit on 2 cores. make test still runs everything, serially.
+# wait on subprocesses and sockets, so 4 fit on 2 cores. One file's tests stay on one worker
+# (--dist loadfile): a file's tests may share a fixed name prefix or port. make test still
+# runs everything, serially.
 test-fast: setup
-	@$(VENV)/bin/pytest -n 4 -m "not vm and not net and not js and not slow"
+	@$(VENV)/bin/pytest -n 4 --dist loadfile -m "not vm and not net and not js and not slow"
 
 # E2B's own SDK test suites, from a checkout of e2b-dev/E2B, against a fresh aenv server
 # (docs/e2b-suite.md). E2B_SUITE_ARGS e.g. "--python-only -k create" for a quick check.

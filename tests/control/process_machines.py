@@ -49,7 +49,7 @@ class ProcessMachines:
             raise RuntimeError("injected start failure")
         n = self._next
         self._next += 1
-        ip = f"127.{_WORKER}.{n // 250}.{n % 250 + 2}"
+        ip = f"127.{_WORKER}.{n // 256}.{n % 256}"
         proc = subprocess.Popen(
             [sys.executable, "-m", "aenv.envd", "--host", ip, "--port", str(ENVD_PORT),
              "--default-user", "user"],
