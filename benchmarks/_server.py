@@ -8,6 +8,7 @@ any host object behind.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -74,6 +75,24 @@ class VMServer:
     def stop(self) -> None:
         if self.proc is not None:
             stop(self.proc, grace=30)
+
+    def shut_down(self) -> dict[str, list[str]]:
+        """The end of every benchmark's server: its sandboxes killed through the API (if it
+        still runs), the server stopped, whatever of its prefix is left swept (and said),
+        its home deleted. Returns what was left before the sweep."""
+        try:
+            if self.proc is not None and self.proc.poll() is None:
+                self.kill_all()
+        finally:
+            self.stop()
+            left = leftovers(self.settings)
+            if any(left.values()):
+                from aenv.network import cleanup_leftovers
+
+                log(f"leftovers found, removing: {left}")
+                cleanup_leftovers(self.settings)
+            shutil.rmtree(self.settings.home, ignore_errors=True)
+        return left
 
 
 def leftovers(settings: Settings) -> dict[str, list[str]]:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -40,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from aenv.config import Settings
 from benchmarks._common import emit, summary
-from benchmarks._server import VMServer, leftovers, log
+from benchmarks._server import VMServer, log
 
 GOAL_S = 10.0
 
@@ -120,18 +119,7 @@ def run_server(label: str, home: Path, net: int, args: argparse.Namespace,
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        try:
-            if srv.proc is not None and srv.proc.poll() is None:
-                srv.kill_all()
-        finally:
-            srv.stop()
-            left = leftovers(srv.settings)
-            if any(left.values()):
-                from aenv.network import cleanup_leftovers
-
-                log(f"leftovers found, removing: {left}")
-                cleanup_leftovers(srv.settings)
-            shutil.rmtree(home, ignore_errors=True)
+        srv.shut_down()
     total = Counter[str]()
     for r in rounds:
         total.update(r["outcomes"])

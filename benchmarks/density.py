@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -47,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from aenv.config import Settings
 from benchmarks._common import emit, summary
-from benchmarks._server import VMServer, leftovers, log
+from benchmarks._server import VMServer, log
 
 GOAL_PSS_MIB = 40.0
 GOAL_CPU_MS_PER_S = 5.0
@@ -243,18 +242,7 @@ def main() -> None:
             log("server log tail:\n" + srv.log_path.read_text(errors="replace")[-3000:])
         raise
     finally:
-        try:
-            if srv.proc is not None and srv.proc.poll() is None:
-                srv.kill_all()
-        finally:
-            srv.stop()
-            left = leftovers(srv.settings)
-            if any(left.values()):
-                from aenv.network import cleanup_leftovers
-
-                log(f"leftovers found, removing: {left}")
-                cleanup_leftovers(srv.settings)
-            shutil.rmtree(home, ignore_errors=True)
+        srv.shut_down()
     result["load_after"] = os.getloadavg()
     emit(result)
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -50,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from aenv.config import Settings
 from aenv.orchestrator.timing import parse_server_timing
 from benchmarks._common import emit, expect_status, phase_summaries, summary
-from benchmarks._server import VMServer, leftovers, log
+from benchmarks._server import VMServer, log
 
 STATE = "echo state > /home/user/state.txt"
 
@@ -203,18 +202,7 @@ def with_server(home: Path, net: int, args: tuple[str, ...], fn: Callable[[VMSer
             log("server log tail:\n" + srv.log_path.read_text(errors="replace")[-3000:])
         raise
     finally:
-        try:
-            if srv.proc is not None and srv.proc.poll() is None:
-                srv.kill_all()
-        finally:
-            srv.stop()
-            left = leftovers(srv.settings)
-            if any(left.values()):
-                from aenv.network import cleanup_leftovers
-
-                log(f"leftovers found, removing: {left}")
-                cleanup_leftovers(srv.settings)
-            shutil.rmtree(home, ignore_errors=True)
+        srv.shut_down()
 
 
 def main() -> None:

@@ -50,7 +50,7 @@ from aenv.runtime.kvm import host_accel
 from aenv.storage.images import ensure_base_image
 from aenv.storage.kernel import ensure_kernel
 from benchmarks._common import emit, expect_status, phase_summaries, private_settings, summary
-from benchmarks._server import VMServer, leftovers
+from benchmarks._server import VMServer
 from benchmarks.vm_snapshot import Bench, log, ms
 
 GOALS = {"snapshot_while_writing_p99_ms": 150, "pause_after_dirtying_200mib_p50_ms": 200}
@@ -121,16 +121,7 @@ def via_api(args: argparse.Namespace) -> dict[str, Any]:
         node = [(int(f), int(t)) for _, _, f, t in
                 NODE_SNAPSHOT.findall(srv.log_path.read_text(errors="replace"))]
     finally:
-        try:
-            if srv.proc is not None and srv.proc.poll() is None:
-                srv.kill_all()
-        finally:
-            srv.stop()
-            left = leftovers(srv.settings)
-            if any(left.values()):
-                log(f"leftovers found, removing: {left}")
-                cleanup_leftovers(srv.settings)
-            shutil.rmtree(home, ignore_errors=True)
+        srv.shut_down()
     paired = list(zip(walls, node, strict=False))
     return {
         "client_ms": summary(walls),
