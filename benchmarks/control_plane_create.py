@@ -11,8 +11,9 @@ kernel and image cache (``AENV_CACHE_HOME`` = the default data dir's artifacts),
 default warm pool of network slots. It then makes ``--warmup`` + ``--n`` sequential
 creates from ``base`` with httpx (``POST /v2/sandboxes``, one keep-alive connection), and
 after each create a ``DELETE /sandboxes/{id}``. Per create it parses the ``Server-Timing``
-header (milliseconds per phase: api, orchestrator, slot, disk, prepare, vmm, kernel, init,
-envd, envd_init) and takes the client-side wall time; per kill, the client-side wall time.
+header (milliseconds per phase: api, orchestrator, queue, slot, disk, prepare, pool, vmm,
+memory, state_load, kernel, init, envd, envd_init) and takes the client-side wall time; per
+kill, the client-side wall time.
 The warm-up creates (first disk probe, accelerator choice, cold caches) are reported apart
 and left out of the percentiles. A phase a create's ``Server-Timing`` does not name is left
 out of that phase's figures (each has its own ``n``), never counted as 0 ms; the control
@@ -21,7 +22,8 @@ plane sum is taken only over creates that name every control-plane phase the mod
 
 ``--mode cold`` (default) makes the server boot every sandbox (``--no-snapshot-base``);
 ``--mode restore`` measures the server's default, where creates restore base's snapshot
-(phases slot, restore, envd, envd_init).
+(phases slot, prepare, vmm, memory, state_load, envd, envd_init; or pool and state_load when
+the create took a pre-started VMM, ``aenv.runtime.vmm_pool``).
 
 ``control_plane`` is api + orchestrator + slot + disk + prepare: everything except starting
 the VMM, the guest's boot (or restore) and the round trips to envd. ``client_gap`` is wall time
@@ -59,8 +61,8 @@ from aenv.orchestrator.timing import parse_server_timing
 from benchmarks._common import emit, phase_summaries, summary
 from benchmarks._server import VMServer, leftovers, log
 
-PHASES = ("api", "orchestrator", "slot", "disk", "prepare", "vmm", "kernel", "init", "restore",
-          "envd", "envd_init")
+PHASES = ("api", "orchestrator", "queue", "slot", "disk", "prepare", "pool", "vmm", "memory",
+          "state_load", "kernel", "init", "envd", "envd_init")
 CONTROL_PLANE = ("api", "orchestrator", "slot", "disk", "prepare")
 GOAL_MS = 5.0
 DISK_METHOD = re.compile(r"sandbox \w+: slot \d+, disk (\w+),")  # the node's create log line

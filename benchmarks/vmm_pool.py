@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -53,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from aenv.config import Settings
 from aenv.orchestrator.timing import parse_server_timing
 from benchmarks._common import emit, expect_status, phase_summaries, summary
-from benchmarks._server import VMServer, leftovers, log
+from benchmarks._server import VMServer, log
 
 
 def timed_post(api: httpx.Client, path: str, body: dict[str, Any], status: int
@@ -239,22 +238,6 @@ def start_server(name: str, pool_size: int, net: int, home: Path) -> VMServer:
     return srv
 
 
-def stop_server(srv: VMServer) -> dict[str, list[str]]:
-    try:
-        if srv.proc is not None and srv.proc.poll() is None:
-            srv.kill_all()
-    finally:
-        srv.stop()
-        left = leftovers(srv.settings)
-        if any(left.values()):
-            from aenv.network import cleanup_leftovers
-
-            log(f"leftovers found, removing: {left}")
-            cleanup_leftovers(srv.settings)
-        shutil.rmtree(srv.settings.home, ignore_errors=True)
-    return left
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=20, help="creates and resumes per mode")
@@ -295,7 +278,7 @@ def main() -> None:
         for api in clients:
             api.close()
         for name, srv in zip(("off", "on"), servers, strict=False):
-            result.setdefault(name, {})["leftovers"] = stop_server(srv)
+            result.setdefault(name, {})["leftovers"] = srv.shut_down()
     emit(result)
 
 
