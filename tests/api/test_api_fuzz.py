@@ -149,6 +149,10 @@ class Fuzz:
             self.tally.record(pass_, op.label, case, "raised", "app raised",
                               f"{type(e).__name__}: {e}")
             return
+        # This world has no volume storage (each volume is a loop-mounted image: root and
+        # a mkfs per create), so /volumes answers 501 "not enabled", E2B-shaped all the
+        # same; the volume routes run for real in tests/api/test_volumes_api.py.
+        allow_5xx = allow_5xx or op.path.startswith("/volumes")
         kind = e2b_break(r.status_code, ";".join(r.headers.get("content-type", [])), r.content,
                          allow_5xx)
         if kind is None and expect_401 and r.status_code != 401:
