@@ -364,12 +364,24 @@ class NodeMachines:
         try:
             vm = await self.runtime.restore(directory, RestoreOverrides(
                 vm_id=rec.id, workdir=workdir, netns=slot.netns))
-            restored_at = timer.elapsed()
-            timer.skip()
-            timer.add(_restore_phases(vm.boot_timings, restored_at - timer.phases["slot"]))
-            # No /health first: the guest's envd was running when it was captured, and the
-            # first /init that connects is the readiness check (one round trip fewer per
-            # child of a fork, where every guest competes for the host's cores).
+        except BaseException:
+            await self._abandon(vm, workdir, slot)
+            raise
+        restored_at = timer.elapsed()
+        timer.skip()
+        timer.add(_restore_phases(vm.boot_timings, restored_at - timer.phases["slot"]))
+        return await self._restored(rec, template, vm, slot, workdir, timer,
+                                    f"restored from {directory.name} into slot {slot.index}")
+
+    async def _restored(self, rec: SandboxRecord, template: TemplateRecord, vm: VM,
+                        slot: NetworkSlot, workdir: Path, timer: PhaseTimer,
+                        how: str) -> Placement:
+        """The end of every restore, pooled or not: envd's ``/init``, then the sandbox
+        runs. No /health first: the guest's envd was running when it was captured, and the
+        first /init that connects is the readiness check (one round trip fewer per child
+        of a fork, where every guest competes for the host's cores). A failed /init
+        abandons the VM, its directory and its slot."""
+        try:
             await self._init_envd(f"http://{slot.host_ip}:{ENVD_PORT}", rec, template,
                                   restored=True, vm=vm)
         except BaseException:
@@ -377,8 +389,7 @@ class NodeMachines:
             raise
         self._running[rec.id] = _Running(vm, slot, None)
         timer.mark("envd_init")
-        log.info("sandbox %s: restored from %s into slot %d, %s", rec.id, directory.name,
-                 slot.index, timer.summary(),
+        log.info("sandbox %s: %s, %s", rec.id, how, timer.summary(),
                  extra={"sandbox_id": rec.id, "op": "restore", "duration": timer.elapsed()})
         return Placement(vm_dir=str(workdir), vm_pid=vm.pid, slot=slot.index,
                          host_ip=slot.host_ip, runtime=self.runtime.name, phases=timer.phases,
@@ -420,20 +431,9 @@ class NodeMachines:
             raise
         assert vm is not None
         timer.mark("state_load")
-        try:
-            await self._init_envd(f"http://{slot.host_ip}:{ENVD_PORT}", rec, template,
-                                  restored=True, vm=vm)
-        except BaseException:
-            await self._abandon(vm, workdir, slot)
-            raise
-        self._running[rec.id] = _Running(vm, slot, None)
-        timer.mark("envd_init")
-        log.info("sandbox %s: pre-started VMM %s of %s in slot %d, %s", rec.id, vm.vm_id,
-                 directory.name, slot.index, timer.summary(),
-                 extra={"sandbox_id": rec.id, "op": "restore", "duration": timer.elapsed()})
-        return Placement(vm_dir=str(workdir), vm_pid=vm.pid, slot=slot.index,
-                         host_ip=slot.host_ip, runtime=self.runtime.name, phases=timer.phases,
-                         restored_from=template.image)
+        return await self._restored(
+            rec, template, vm, slot, workdir, timer,
+            f"pre-started VMM {vm.vm_id} of {directory.name} in slot {slot.index}")
 
     async def _restore_anew(self, rec: SandboxRecord, template: TemplateRecord,
                             directory: Path, timer: PhaseTimer) -> Placement:

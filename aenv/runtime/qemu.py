@@ -40,6 +40,7 @@ from typing import Any
 
 from qemu.qmp import EventListener, QMPClient, QMPError
 
+from ..phase_timer import PhaseTimer
 from . import confine, qemu_args, qemu_snapshot
 from . import workdir as wd
 from .base import (
@@ -133,7 +134,7 @@ class Prestarted:
     process: VMMProcess
     qmp: QMPClient
     state_fd: int
-    started_at: float  # time.monotonic() at spawn
+    spawn: PhaseTimer  # made at the spawn: the milestones in ``timings`` are its readings
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -234,16 +235,16 @@ class QemuVM(VM):
         return str(reply["status"])
 
     async def pause(self) -> None:
-        t = time.monotonic()
+        t = PhaseTimer()
         await self.execute("stop")
         log.info("paused", extra={"vm_id": self.vm_id, "op": "pause",
-                                  "duration": time.monotonic() - t})
+                                  "duration": t.elapsed()})
 
     async def resume(self) -> None:
-        t = time.monotonic()
+        t = PhaseTimer()
         await self.execute("cont")
         log.info("resumed", extra={"vm_id": self.vm_id, "op": "resume",
-                                   "duration": time.monotonic() - t})
+                                   "duration": t.elapsed()})
 
     async def snapshot(self, directory: Path, *, stop: bool = False,
                        incremental: bool = True) -> SnapshotInfo:
@@ -264,7 +265,7 @@ class QemuVM(VM):
         """QMP ``quit``; if the VMM is still there after ``timeout``, SIGTERM its process
         group, then SIGKILL it (each wait bounded by ``timeout``). Leaves the working
         directory (see ``workdir.remove``)."""
-        t = time.monotonic()
+        t = PhaseTimer()
         if self.is_alive():
             try:
                 await asyncio.wait_for(self._qmp.execute("quit"), timeout)
@@ -283,7 +284,7 @@ class QemuVM(VM):
             self._process.close()
             await asyncio.to_thread(self.jail.release)
         log.info("stopped", extra={"vm_id": self.vm_id, "op": "stop",
-                                   "duration": time.monotonic() - t})
+                                   "duration": t.elapsed()})
 
     async def wait(self) -> int | None:
         return await self._process.wait()
@@ -332,7 +333,7 @@ class QemuRuntime(Runtime):
             argv = await self._argv(spec, accel, binary, jail=jail)
             self._write_record(spec, accel, argv, QemuMachine.of(spec, accel.accel), jail)
             vmm_log = spec.workdir / wd.VMM_LOG
-            t0 = time.monotonic()
+            spawn = PhaseTimer()  # boot_timings are seconds since the spawn
             process = await asyncio.to_thread(VMMProcess.spawn, jail.wrap(argv), spec.workdir,
                                               vmm_log)
         except BaseException:
@@ -340,7 +341,7 @@ class QemuRuntime(Runtime):
             raise
         try:
             qmp = await self._connect_qmp(spec, process)
-            t_qmp = time.monotonic() - t0
+            t_qmp = spawn.elapsed()
             status = (await qmp.execute("query-status"))["status"]  # type: ignore[index]
             if status != "running":
                 raise BootError(f"VMM came up {status}, not running", vm_id=spec.vm_id)
@@ -352,7 +353,7 @@ class QemuRuntime(Runtime):
                 e.vmm_log_tail = e.vmm_log_tail or wd.tail(vmm_log)
             raise
         vm = QemuVM(vm_id=spec.vm_id, workdir=spec.workdir, accel=accel, process=process,
-                    qmp=qmp, started_at=t0, boot_timings={"qmp_ready": t_qmp},
+                    qmp=qmp, started_at=spawn.started, boot_timings={"qmp_ready": t_qmp},
                     max_chain=self._max_chain, jail=jail)
         log.info(
             "booted %s on %s in %.0f ms (pid %d)", spec.vm_id, accel.accel, t_qmp * 1000,
@@ -446,7 +447,7 @@ class QemuRuntime(Runtime):
         if binary is None:
             raise SnapshotError(f"{qemu_args.QEMU_BINARY} is not installed",
                                 vm_id=overrides.vm_id)
-        t_prep = time.monotonic()
+        prep = PhaseTimer()
         plan = await asyncio.to_thread(qemu_snapshot.prepare_restore, snapshot_dir, overrides)
         host = self.accel
         if plan.accel != host.accel and plan.accel == "kvm":
@@ -463,7 +464,8 @@ class QemuRuntime(Runtime):
                 argv = await self._argv(spec, accel, binary, jail=jail, restore=True)
                 self._write_record(spec, accel, argv, plan.machine, jail,
                                    restored_from=snapshot_dir)
-                t0 = time.monotonic()
+                prep.mark("prepare")
+                spawn = PhaseTimer()  # boot_timings are seconds since the spawn
                 process = await asyncio.to_thread(VMMProcess.spawn, argv, spec.workdir,
                                                   spec.workdir / wd.VMM_LOG, (fd,))
             finally:
@@ -471,16 +473,16 @@ class QemuRuntime(Runtime):
         except BaseException:
             await asyncio.to_thread(jail.release)
             raise
-        timings = {"prepare": t0 - t_prep}
+        timings = dict(prep.phases)
         # Into its cgroup while it starts up (-S: no vCPU runs, no guest memory is written
         # before the join has finished; see confine).
         joined = asyncio.ensure_future(asyncio.to_thread(jail.join, process.pid))
         try:
             qmp = await self._connect_qmp(spec, process)
-            timings["qmp_ready"] = time.monotonic() - t0
+            timings["qmp_ready"] = spawn.elapsed()
             await joined
             await asyncio.to_thread(qemu_snapshot.apply_memory, process.pid, plan)
-            timings["memory_applied"] = time.monotonic() - t0
+            timings["memory_applied"] = spawn.elapsed()
             # While a migration is awaited, ``cont`` only sets QEMU's autostart: the vCPUs
             # then start as soon as the device state is loaded, with no round trip between.
             await qmp.execute("cont")
@@ -491,16 +493,16 @@ class QemuRuntime(Runtime):
             await asyncio.to_thread(jail.release)
             raise _restore_error(e, snapshot_dir, spec)  # noqa: B904 (chained by hand)
         return Prestarted(plan=plan, accel=accel, jail=jail, process=process, qmp=qmp,
-                          state_fd=fd, started_at=t0, timings=timings)
+                          state_fd=fd, spawn=spawn, timings=timings)
 
     async def activate(self, pre: Prestarted) -> QemuVM:
         """Load the device state into a pre-started VMM and start its vCPUs: the part of a
         restore that cannot be done ahead. ``boot_timings`` as ``restore``'s, plus
         ``activate`` (seconds this call took). On ``SnapshotError`` the VMM is gone; the
         working directory is left."""
-        spec, qmp, process, t0 = pre.plan.spec, pre.qmp, pre.process, pre.started_at
+        spec, qmp, process = pre.plan.spec, pre.qmp, pre.process
         timings = dict(pre.timings)
-        t_act = time.monotonic()
+        act = PhaseTimer()
         try:
             if not process.is_alive():
                 raise SnapshotError(f"VMM exited with status {process.returncode} while "
@@ -522,15 +524,13 @@ class QemuRuntime(Runtime):
                         if time.monotonic() > deadline:
                             raise SnapshotError(f"device state did not load in "
                                                 f"{QMP_TIMEOUT}s", vm_id=spec.vm_id) from None
-            now = time.monotonic()
-            timings["state_loaded"] = now - t0
-            timings["running"] = now - t0
-            timings["activate"] = now - t_act
+            timings["activate"] = act.elapsed()
+            timings["state_loaded"] = timings["running"] = pre.spawn.elapsed()
         except BaseException as e:
             await self.discard(pre)
             raise _restore_error(e, pre.plan.snapshot_dir, spec)  # noqa: B904
         vm = QemuVM(vm_id=spec.vm_id, workdir=spec.workdir, accel=pre.accel, process=process,
-                    qmp=qmp, started_at=t0, boot_timings=timings,
+                    qmp=qmp, started_at=pre.spawn.started, boot_timings=timings,
                     max_chain=self._max_chain, jail=pre.jail)
         log.info(
             "restored %s from %s in %.0f ms (memory %.0f, loaded %.0f, activated in %.0f; "
