@@ -35,7 +35,6 @@ import argparse
 import asyncio
 import os
 import re
-import shutil
 import sys
 import tempfile
 import time
@@ -45,7 +44,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from aenv.config import Settings
-from aenv.network import SlotPool, cleanup_leftovers
+from aenv.network import SlotPool
 from aenv.runtime.kvm import host_accel
 from aenv.storage.images import ensure_base_image
 from aenv.storage.kernel import ensure_kernel
@@ -163,17 +162,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                             args.mib)
             out["pause_after_dirtying"] = dirty
     finally:
-        for sbx in list(bench.live):
-            await bench.destroy(sbx)
-        await asyncio.to_thread(pool.close)
-        shutil.rmtree(root, ignore_errors=True)
-        try:
-            root.parent.rmdir()  # only when no other run's snapshots are in it
-        except OSError:
-            pass
-        leftovers = await asyncio.to_thread(cleanup_leftovers, settings)
-        if leftovers.namespaces or leftovers.killed_pids:
-            log(f"cleaned leftovers: {leftovers}")
+        await bench.close()
     return out
 
 

@@ -124,6 +124,21 @@ class Bench:
         wd.remove(sbx.vm.workdir)
         await asyncio.to_thread(self.pool.release, sbx.slot)
 
+    async def close(self) -> None:
+        """Every sandbox still live destroyed, the slot pool closed, this run's snapshots
+        deleted, and whatever of the prefix is left swept (and said)."""
+        for sbx in list(self.live):
+            await self.destroy(sbx)
+        await asyncio.to_thread(self.pool.close)
+        shutil.rmtree(self.root, ignore_errors=True)
+        try:
+            self.root.parent.rmdir()  # only when no other run's snapshots are in it
+        except OSError:
+            pass
+        left = await asyncio.to_thread(cleanup_leftovers, self.settings)
+        if left.namespaces or left.killed_pids:
+            log(f"cleaned leftovers: {left}")
+
     async def template(self, mib: int) -> tuple[Path, dict[str, Any]]:
         """Boot a guest of ``mib`` MiB, init envd, pause it into a template snapshot."""
         (slot,) = await self.slots(1)
@@ -323,17 +338,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     template, [16, 1024], args.dirty_reps, mib)
             out[f"{mib}mib"] = res
     finally:
-        for sbx in list(bench.live):
-            await bench.destroy(sbx)
-        await asyncio.to_thread(pool.close)
-        shutil.rmtree(root, ignore_errors=True)
-        try:
-            root.parent.rmdir()  # only when no other run's snapshots are in it
-        except OSError:
-            pass
-        leftovers = await asyncio.to_thread(cleanup_leftovers, settings)
-        if leftovers.namespaces or leftovers.killed_pids:
-            log(f"cleaned leftovers: {leftovers}")
+        await bench.close()
     return out
 
 
