@@ -18,7 +18,10 @@ own garbage collection computes them, ``snapshot_store.dependencies``), and coll
 should keep no more than what the roots' own manifests read (``snapshots_retained_unneeded``:
 directories reachable only through another kept directory's manifest); no record may sit
 in a transitional state, no paused record may lack its snapshot, and no build may be left
-``building``. Run it while no operation is in flight.
+``building``. The node's pre-started VMMs (``aenv.runtime.vmm_pool``: working directories
+named ``vp...``) belong to its VMM pool, not to a record: each may hold a process, its
+directory and one slot beyond the slot pool's warm ones. Run it while no operation is in
+flight.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from typing import Any, Protocol
 
 from aenv.config import Settings
 from aenv.network.addressing import Addressing
+from aenv.runtime.vmm_pool import PREFIX as POOLED_VMM_DIR
 from aenv.storage import disks, snapshot_store
 from aenv.store import Database, SandboxStore, TemplateStore
 from benchmarks._server import VMServer, leftovers, log
@@ -361,7 +365,9 @@ def _audit_once(settings: Settings) -> dict[str, Any]:
     p["stuck_templates"] = [f"{t.id}: {t.status}" for t in tpls if t.status == "building"]
 
     procs = vmm_processes(settings)
-    owned_dirs = {r.vm_dir for r in running if r.vm_dir}
+    # the VMM pool's: a pre-started VMM in a directory of its own, holding one slot
+    pooled = {cwd for cwd in procs.values() if Path(cwd).name.startswith(POOLED_VMM_DIR)}
+    owned_dirs = {r.vm_dir for r in running if r.vm_dir} | pooled
     p["vmm_unowned"] = [f"pid {pid} in {cwd}" for pid, cwd in sorted(procs.items())
                         if cwd not in owned_dirs]
     with_vmm = set(procs.values())
@@ -399,9 +405,10 @@ def _audit_once(settings: Settings) -> dict[str, Any]:
     slots = {r.slot for r in running if r.slot is not None}
     spare_ns = [n for n in host["netns"] if a.index_of_netns(n) not in slots]
     spare_veth = [v for v in host["veths"] if a.index_of_veth(v) not in slots]
-    # The pool keeps ``warm_slots`` ready; more than that nothing accounts for.
-    p["netns_extra"] = spare_ns if len(spare_ns) > settings.warm_slots else []
-    p["veths_extra"] = spare_veth if len(spare_veth) > settings.warm_slots else []
+    # The pool keeps ``warm_slots`` ready and each pooled VMM holds one.
+    spare_bound = settings.warm_slots + len(pooled)
+    p["netns_extra"] = spare_ns if len(spare_ns) > spare_bound else []
+    p["veths_extra"] = spare_veth if len(spare_veth) > spare_bound else []
     p["running_without_netns"] = [f"{r.id}: slot {r.slot}" for r in running
                                   if r.slot is not None
                                   and a.slot(r.slot).netns not in host["netns"]]
@@ -411,7 +418,8 @@ def _audit_once(settings: Settings) -> dict[str, Any]:
                                 if b.status == "waiting"]}
     counts = {"live_records": len(live), "running": len(running),
               "paused": sum(r.state == "paused" for r in live), "templates": len(tpls),
-              "vmm_processes": len(procs), "vm_dirs": len(vm_dirs), "netns": len(host["netns"]),
+              "vmm_processes": len(procs), "pooled_vmms": len(pooled), "vm_dirs": len(vm_dirs),
+              "netns": len(host["netns"]),
               "overlay_cache_entries": len(list(overlays.iterdir())) if overlays.is_dir() else 0,
               "snapshot_entries": len(snap_entries),
               "snapshots_mib": round(_dir_bytes(settings.snapshots_dir) / 2**20, 1)
