@@ -44,11 +44,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from aenv.config import Settings
-from aenv.network import SlotPool
 from aenv.runtime.kvm import host_accel
-from aenv.storage.images import ensure_base_image
-from aenv.storage.kernel import ensure_kernel
-from benchmarks._common import emit, expect_status, phase_summaries, private_settings, summary
+from benchmarks._common import emit, expect_status, phase_summaries, summary
 from benchmarks._server import VMServer
 from benchmarks.vm_snapshot import Bench, log, ms
 
@@ -144,13 +141,7 @@ async def _start_writer(url: str, sid: str, token: str | None) -> None:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    settings = private_settings("sw", args.net, warm_slots=0)
-    kernel = ensure_kernel(settings, args.flavor)
-    image = ensure_base_image(settings, kernel_flavor=kernel.flavor)
-    root = settings.home / "bench-snapshots" / settings.name_prefix
-    pool = SlotPool(settings, warm_size=0)
-    await asyncio.to_thread(pool.start)
-    bench = Bench(settings, pool, kernel, image, root)
+    bench = await Bench.open("sw", args.net, args.flavor)
     out: dict[str, Any] = {}
     try:
         template, first = await bench.template(args.mib)

@@ -124,6 +124,18 @@ class Bench:
         wd.remove(sbx.vm.workdir)
         await asyncio.to_thread(self.pool.release, sbx.slot)
 
+    @classmethod
+    async def open(cls, prefix: str, net: int, flavor: str) -> Bench:
+        """A bench on settings of its own (name prefix, address block, no warm slots), with
+        the guest kernel and base image ready and its slot pool started."""
+        settings = private_settings(prefix, net, warm_slots=0)
+        kernel = ensure_kernel(settings, flavor)
+        image = ensure_base_image(settings, kernel_flavor=kernel.flavor)
+        pool = SlotPool(settings, warm_size=0)
+        await asyncio.to_thread(pool.start)
+        return cls(settings, pool, kernel, image,
+                   settings.home / "bench-snapshots" / settings.name_prefix)
+
     async def close(self) -> None:
         """Every sandbox still live destroyed, the slot pool closed, this run's snapshots
         deleted, and whatever of the prefix is left swept (and said)."""
@@ -314,13 +326,7 @@ def _mem_available() -> float:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    settings = private_settings("sb", 97, warm_slots=0)
-    kernel = ensure_kernel(settings, args.flavor)
-    image = ensure_base_image(settings, kernel_flavor=kernel.flavor)
-    root = settings.home / "bench-snapshots" / settings.name_prefix
-    pool = SlotPool(settings, warm_size=0)
-    await asyncio.to_thread(pool.start)
-    bench = Bench(settings, pool, kernel, image, root)
+    bench = await Bench.open("sb", 97, args.flavor)
     sizes = [int(s) for s in args.sizes.split(",")]
     out: dict[str, Any] = {}
     try:
