@@ -100,8 +100,9 @@ def runs_commands(sid: str, expect: str = "") -> None:
 
 def test_a_create_takes_a_pooled_vmm_and_reports_the_host_share(srv) -> None:
     with srv.api() as api:
-        first, phases, _ = create(api)  # a miss: the pool learns base is asked for
-        assert "pool" not in phases
+        # Not asserted a miss: the server may have pre-started one of base already, right
+        # after snapshotting it at start (seen 70 ms after "ready" on a quiet host).
+        first, phases, _ = create(api)
         waiting(srv, lambda p: len(p) >= 1, "a pre-started VMM of base")
         sid, phases, totals = create(api)
         assert "pool" in phases and "vmm" not in phases, phases
