@@ -18,7 +18,7 @@ from aenv.egress.ca import EgressCA
 from aenv.network import NetworkSlot
 from aenv.network import netns as ns
 
-from .helpers import FakeGuest, Server, open_tap
+from .helpers import FakeGuest, Server
 
 NAMES = ("allowed.aes.test", "api.aes.test", "plain.aes.test", "wild.aes.test",
          "a.wild.aes.test", "b.c.wild.aes.test", "denied.aes.test")
@@ -69,17 +69,8 @@ class Guest(FakeGuest):
     go to ``target`` unless told otherwise."""
 
     def __init__(self, slot: NetworkSlot, netns: str, target: str) -> None:
-        self.slot, self.netns, self.target = slot, netns, target
-        self._fds: list[int] = []
-        self._stop_r, self._stop_w = os.pipe()
-        try:
-            self._fds.append(ns.create(self.netns, self._setup))
-            self._fds.append(ns.run_in(slot.netns, lambda: open_tap(slot.tap_name)))
-        except BaseException:
-            self.close()
-            raise
-        self._thread = threading.Thread(target=self._relay, daemon=True)
-        self._thread.start()
+        self.target = target  # before FakeGuest sets up the namespace
+        super().__init__(slot, netns)
 
     def request(self, host: str, *, port: int = 80, tls: ssl.SSLContext | None = None,
                 to: str | None = None, sni: str | None = None) -> bytes:

@@ -173,9 +173,9 @@ def open_tap(name: str) -> int:
 class FakeGuest:
     """A guest for ``slot``: holds its tap like a VMM and answers on GUEST_IP."""
 
-    def __init__(self, slot: NetworkSlot) -> None:
+    def __init__(self, slot: NetworkSlot, netns: str | None = None) -> None:
         self.slot = slot
-        self.netns = f"{HELPER}-g{slot.index}"
+        self.netns = netns or f"{HELPER}-g{slot.index}"
         self._fds: list[int] = []
         self._stop_r, self._stop_w = os.pipe()
         try:
