@@ -131,7 +131,9 @@ class Server:
             finally:
                 await self.close()
 
-        self.cluster = node_agent(settings, self.sandboxes) if settings.cluster else None
+        self.cluster = node_agent(settings, self.sandboxes,
+                                  queued=self.orchestrator.start_queue.queued_sizes) \
+            if settings.cluster else None
         api = create_api(
             self.orchestrator, api_key=self.api_key, domain=self.options.domain,
             metrics=self.metrics, logs=self.machines.logs, lifespan=lifespan,

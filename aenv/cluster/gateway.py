@@ -17,10 +17,12 @@ One listener, as a node has (``aenv.proxy.front.Front`` decides per request):
   gateway does not have: it asks the nodes whose they are (``owners``), then routes them.
 - REST, after the client's ``X-API-KEY`` is checked against the gateway's key:
   ``POST /sandboxes`` (and ``/v2/sandboxes``) goes to the best node
-  (``scheduling.candidates``: ready, with room in every budget it publishes, least full
-  first; when none has room by the published figures, every ready node, whose own
-  admission decides), then to the next one when a node answers 429 or 5xx or
-  does not answer (a create that timed out may still finish on the slow node).
+  (``scheduling.candidates``: ready, with room in every lasting budget it publishes;
+  nodes with a start free first, least full first, then nodes that queue it behind their
+  starts, shortest queue first), then to the next one when a node answers 429 or 5xx or
+  does not answer (a create that timed out may still finish on the slow node). When no
+  ready node has room or a queue place by the published figures, the gateway answers 429
+  with ``Retry-After`` itself.
   ``GET /sandboxes`` and ``GET /v2/sandboxes`` ask every live node and merge the answers,
   ordered as a node orders them (by ``startedAt``, then id; ``order`` as given). A v2
   page is the first ``limit`` of the merged pages (each node gives at most ``limit``
@@ -42,7 +44,7 @@ One listener, as a node has (``aenv.proxy.front.Front`` decides per request):
   store (``AENV_SHARED_STORE``) any node starts a template built elsewhere.
   Anything else answers 501.
 - A resume or connect of a paused sandbox whose node is gone (past its TTL, or not
-  answering) or full (429) goes to another ready node with room that can restore its
+  answering) or full (429) goes to another ready node with a start free that can restore its
   snapshot (``NodeRecord.restores`` against the requirements the node published with it,
   ``handover``); the first that resumes it owns it. None can: 409 naming why per node.
 
@@ -78,7 +80,7 @@ from ..proxy.front import Front
 from ..storage.shared_store import incompatibilities
 from .owners import Owners
 from .registry import NodeStatus, Registry
-from .scheduling import Ask, candidates
+from .scheduling import RETRY_AFTER_S, Ask, candidates
 from .trust import SECRET_HEADER
 
 log = logging.getLogger("aenv.gateway")
@@ -138,9 +140,11 @@ def node_view(n: NodeStatus) -> dict[str, Any]:
     """One node as ``GET /nodes`` shows it."""
     r = n.record
     return {"nodeID": r.node_id, "url": r.url, "status": n.status, "version": r.version,
-            "sandboxes": {"running": r.running, "paused": r.paused, "starting": r.starting},
+            "sandboxes": {"running": r.running, "paused": r.paused, "starting": r.starting,
+                          "queued": r.queued},
             "capacity": {"maxSandboxes": r.max_sandboxes, "maxStarting": r.max_starting,
-                         "cpuCount": r.vcpus, "memoryMB": r.memory_mb},
+                         "startQueue": r.start_queue, "cpuCount": r.vcpus,
+                         "memoryMB": r.memory_mb},
             "usage": {"cpuCount": r.vcpus_used, "memoryMB": r.memory_used_mb},
             "publishedAt": r.published_at}
 
@@ -322,10 +326,15 @@ class Gateway:
         if template == BASE_TEMPLATE:  # every node has its own
             template = None
         holders = await self.registry.template_nodes(template) if template else set()
-        order = candidates(await self.registry.nodes(), self.in_flight, holders, Ask.of(body),
-                           overflow=True)
+        nodes = await self.registry.nodes()
+        order = candidates(nodes, self.in_flight, holders, Ask.of(body))
         if not order:
-            return Reply.error(503, "no node of the cluster is ready with room for a sandbox")
+            if any(n.status == "ready" for n in nodes):
+                return Reply.json(
+                    429, {"code": 429, "message": "every node of the cluster is full (sandboxes, "
+                          "vCPUs, memory or its start queue); try again later"},
+                    [(b"retry-after", str(RETRY_AFTER_S).encode())])
+            return Reply.error(503, "no node of the cluster is ready for a sandbox")
         last: Reply | None = None
         for node in order:
             nid = node.record.node_id
@@ -379,7 +388,7 @@ class Gateway:
         the template's id and aliases are then routed to that node, where its files,
         build and status calls must go."""
         last: Reply | None = None
-        for node in candidates(await self.registry.nodes(), self.in_flight):
+        for node in candidates(await self.registry.nodes(), self.in_flight, queue=False):
             try:
                 reply = await self._call(self._request(node, scope, body), CREATE_TIMEOUT_S)
             except httpx.HTTPError as e:
@@ -584,7 +593,7 @@ class Gateway:
             return refused or Reply.error(
                 503, f"the node of sandbox '{sandbox_id}' ({owner.record.node_id}) is "
                 "unreachable, and the sandbox is not paused in the shared store")
-        others = [n for n in candidates(await self.registry.nodes(), self.in_flight)
+        others = [n for n in candidates(await self.registry.nodes(), self.in_flight, queue=False)
                   if n.record.node_id != owner.record.node_id]
         checked = {k: v for k, v in requires.items() if k != "kernel"}  # the node checks it
         able, unable = [], []

@@ -3,12 +3,13 @@
 ``NodeAgent`` reads what to publish from the node's own store (``index``, a callable: the
 live sandboxes, running and paused, fork children included) and writes it with
 ``Registry.publish``, with what the node uses of its budgets (``usage``: vCPUs, memory,
-sandboxes starting) in its record. It publishes:
+sandboxes starting) in its record, and its volumes (``volumes``: id -> name), which live
+on this node only. It publishes:
 
 - on ``start``;
 - on ``sync()``, which ``PublishAfterChange`` awaits before a successful create, kill,
-  pause, resume, connect or fork answers, so a client that got the answer (through a
-  gateway) finds the sandbox routed;
+  pause, resume, connect or fork answers (and a volume's create or delete), so a client
+  that got the answer (through a gateway) finds the sandbox or volume routed;
 - on every heartbeat (every TTL/3) when the index or the usage differs from the last one
   published (TTL kills and auto-pauses happen without a request), and when the node's liveness key
   had vanished (Redis restarted empty): the store is the truth, Redis an index of it.
@@ -40,14 +41,16 @@ log = logging.getLogger("aenv.cluster")
 SYNC_TIMEOUT_S = 2.0
 # REST calls after which the node's index changes: creates, kills, pauses, resumes, forks.
 _CHANGES = re.compile(
-    r"^(?:/v2)?/sandboxes(?:/[^/]+(?:/(?:pause|resume|connect|fork))?)?/?$")
+    r"^(?:(?:/v2)?/sandboxes(?:/[^/]+(?:/(?:pause|resume|connect|fork))?)?"
+    r"|/volumes(?:/[^/]+)?)/?$")
 
 
 class NodeAgent:
     def __init__(self, registry: Registry, record: NodeRecord,
                  index: Callable[[], list[IndexEntry]],
                  usage: Callable[[], Usage] | None = None,
-                 fresh_index: Callable[[], list[IndexEntry]] | None = None) -> None:
+                 fresh_index: Callable[[], list[IndexEntry]] | None = None,
+                 volumes: Callable[[], dict[str, str]] | None = None) -> None:
         self.registry = registry
         self.record = record          # id, URL, version, capacity; counts filled per publish
         self.index = index
@@ -55,8 +58,10 @@ class NodeAgent:
         # afresh only when a publish is due.
         self.fresh_index = fresh_index
         self.usage = usage or Usage
+        self.volumes = volumes
         self._lock = asyncio.Lock()
-        self._published: tuple[frozenset[IndexEntry], Usage] | None = None
+        self._published: tuple[frozenset[IndexEntry], Usage,
+                               frozenset[tuple[str, str]]] | None = None
         self._task: asyncio.Task[None] | None = None
         self._failing = False
         self.stopping = False
@@ -110,21 +115,25 @@ class NodeAgent:
         async with self._lock:
             entries = frozenset(self.index())
             usage = self.usage()
-            if not force and (entries, usage) == self._published:
+            volumes = self.volumes() if self.volumes is not None else None
+            held = frozenset((volumes or {}).items())
+            if not force and (entries, usage, held) == self._published:
                 return True
             if self.fresh_index is not None:
                 entries = frozenset(self.fresh_index())
             record = replace(self.record, running=sum(e.running for e in entries),
                              paused=sum(not e.running for e in entries),
-                             starting=usage.starting, vcpus_used=usage.vcpus_used,
+                             starting=usage.starting, queued=usage.queued,
+                             vcpus_used=usage.vcpus_used,
                              memory_used_mb=usage.memory_used_mb, published_at=time.time())
             try:
-                await asyncio.wait_for(self.registry.publish(record, entries), SYNC_TIMEOUT_S)
+                await asyncio.wait_for(self.registry.publish(record, entries, volumes),
+                                       SYNC_TIMEOUT_S)
             except (RedisError, OSError, TimeoutError) as e:
                 self._published = None
                 self._report(e)
                 return False
-            self._published = (entries, usage)
+            self._published = (entries, usage, held)
             if self._failing:
                 log.info("cluster: Redis reachable again; index of %d sandboxes published",
                          len(entries))

@@ -4,8 +4,9 @@ The node's id is ``AENV_NODE_ID`` (default: the host name), its URL ``AENV_ADVER
 (default: its listener's, which must then not be a wildcard address). It publishes every
 live sandbox of its store (``LIVE_STATES``: running, paused, fork children, those
 starting or stopping), counted as running while it holds a VM (``VM_STATES``), and with
-its record its budgets (``Capacity``: the same limits its admission applies) and what those
-sandboxes use of them, so gateways send creates only where they fit.
+its record its budgets (``Capacity``: the same limits its admission applies, the start
+queue's bound among them) and what those sandboxes, and the creates waiting in its start
+queue, use of them, so gateways send creates only where they fit or can wait.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,10 +38,12 @@ STARTING_STATES = (SandboxState.CREATING, SandboxState.RESUMING)
 @dataclass(frozen=True)
 class Capacity:
     """A node's budgets as its admission applies them (0: no limit): sandboxes holding a
-    VM, sandboxes starting at once, guest vCPUs and memory (host totals x overcommit)."""
+    VM, sandboxes starting at once, guest vCPUs and memory (host totals x overcommit); and
+    the creates it queues behind ``max_starting`` (0: none)."""
 
     max_sandboxes: int = 0
     max_starting: int = 0
+    start_queue: int = 0
     vcpus: int = 0
     memory_mb: int = 0
 
@@ -50,19 +53,26 @@ def capacity_of(settings: Settings) -> Capacity:
     cores and RAM times the settings' overcommit."""
     memory_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1024 * 1024)
     return Capacity(max_sandboxes=settings.max_sandboxes, max_starting=settings.max_starting,
+                    start_queue=settings.start_queue,
                     vcpus=int((os.cpu_count() or 1) * settings.cpu_overcommit),
                     memory_mb=int(memory_mb * settings.memory_overcommit))
 
 
-def usage_of(sandboxes: SandboxStore) -> Callable[[], Usage]:
-    """What the node's sandboxes use of its budgets, read from its store (as admission
-    counts them: every sandbox holding a VM)."""
+def usage_of(sandboxes: SandboxStore,
+             queued: Callable[[], Sequence[tuple[int, int]]] = tuple) -> Callable[[], Usage]:
+    """What the node's sandboxes use of its budgets, read from its store, and the creates
+    waiting in its start queue (``queued``: their (vCPUs, MiB), ``StartQueue.queued_sizes``),
+    as admission counts them: every sandbox holding a VM, and every queued create as if it
+    ran."""
 
     def usage() -> Usage:
         held = sandboxes.in_states(VM_STATES)
+        waiting = list(queued())
         return Usage(starting=sum(r.state in STARTING_STATES for r in held),
-                     vcpus_used=sum(r.cpu_count for r in held),
-                     memory_used_mb=sum(r.memory_mb for r in held))
+                     queued=len(waiting),
+                     vcpus_used=sum(r.cpu_count for r in held) + sum(c for c, _ in waiting),
+                     memory_used_mb=sum(r.memory_mb for r in held)
+                     + sum(m for _, m in waiting))
 
     return usage
 
@@ -109,8 +119,10 @@ def check(settings: Settings) -> None:
 
 
 def node_agent(settings: Settings, sandboxes: SandboxStore,
-               capacity: Capacity | None = None) -> NodeAgent:
-    """``capacity`` None: ``capacity_of(settings)``."""
+               capacity: Capacity | None = None,
+               queued: Callable[[], Sequence[tuple[int, int]]] = tuple) -> NodeAgent:
+    """``capacity`` None: ``capacity_of(settings)``; ``queued``: the sizes of the creates
+    waiting in the node's start queue (``StartQueue.queued_sizes``)."""
     assert settings.cluster, "not in a cluster"
     check(settings)
     shared = shared_store.SharedStore(settings.shared_store) if settings.shared_store \
@@ -118,7 +130,8 @@ def node_agent(settings: Settings, sandboxes: SandboxStore,
     cap = capacity or capacity_of(settings)
     record = NodeRecord(node_id=node_id(settings), url=advertise_url(settings),
                         version=__version__, max_sandboxes=cap.max_sandboxes,
-                        max_starting=cap.max_starting, vcpus=cap.vcpus,
+                        max_starting=cap.max_starting, start_queue=cap.start_queue,
+                        vcpus=cap.vcpus,
                         memory_mb=cap.memory_mb,
                         restores=restores(settings) if shared else {})
     requires: dict[str, str] = {}  # snapshot ref -> its requirements (snapshots never change)
@@ -163,4 +176,4 @@ def node_agent(settings: Settings, sandboxes: SandboxStore,
                 or not moved(r, fresh)]
 
     return NodeAgent(Registry.from_url(settings.cluster), record, lambda: entries(False),
-                     usage_of(sandboxes), fresh_index=lambda: entries(True))
+                     usage_of(sandboxes, queued), fresh_index=lambda: entries(True))

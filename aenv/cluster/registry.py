@@ -19,6 +19,12 @@ clusters sharing one Redis):
   whose node offered it to the cluster (``handover``): another node may resume it.
 - ``autoresume`` (set): those of them created with ``autoResume``: traffic to one whose
   node is gone makes a gateway resume it elsewhere.
+- ``volumes`` (hash): volume id -> the node that holds it (volumes are node-local: their
+  REST and content calls go there, and sandboxes that mount them are placed there);
+  ``volume-names`` (hash): volume name -> that node; ``node:<id>:volumes`` (hash): the
+  node's last published volumes, id -> name. ``volume-name:<name>`` (string with a TTL):
+  a gateway's claim on a name while it creates the volume, so that two gateways cannot
+  make the same name on two nodes.
 
 Redis holds nothing a node cannot say again: ``publish`` replaces a node's whole share of
 the index in one transaction (MULTI/EXEC) from what the node's store holds, and
@@ -32,7 +38,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -56,10 +62,16 @@ class NodeRecord:
     # Budgets (the node's own admission limits; 0: not published, no limit) and what is
     # used of them, so the gateway sends a create only where it fits (``scheduling``).
     max_starting: int = 0
+    # Creates the node queues behind max_starting (``aenv.orchestrator.start_queue``; 0:
+    # none, a node at max_starting refuses: what a node from before the queue published).
+    start_queue: int = 0
     vcpus: int = 0            # guest vCPUs admitted: host cores x overcommit
     memory_mb: int = 0        # guest memory admitted: host RAM x overcommit
     starting: int = 0         # creating or resuming now
-    vcpus_used: int = 0       # by the sandboxes holding a VM
+    queued: int = 0           # creates waiting in the start queue now
+    # By the sandboxes holding a VM and the queued creates (which the node's admission
+    # counts as if they ran).
+    vcpus_used: int = 0
     memory_used_mb: int = 0
     draining: bool = False
     published_at: float = 0.0
@@ -97,6 +109,7 @@ class Usage:
     """What a node uses of its budgets now (``NodeRecord``'s fields of the same names)."""
 
     starting: int = 0
+    queued: int = 0
     vcpus_used: int = 0
     memory_used_mb: int = 0
 
@@ -152,12 +165,18 @@ class Registry:
                                     px=int(self.ttl_s * 1000), get=True)
         return old is not None
 
-    async def publish(self, record: NodeRecord, entries: Iterable[IndexEntry]) -> None:
-        """Replace the node's record and its share of the index with ``entries``, and mark
-        it alive, in one transaction."""
+    async def publish(self, record: NodeRecord, entries: Iterable[IndexEntry],
+                      volumes: Mapping[str, str] | None = None) -> None:
+        """Replace the node's record and its share of the index with ``entries`` (and,
+        when given, its volumes, id -> name), and mark it alive, in one transaction."""
         ids = {e.sandbox_id for e in entries}
         own = self._k("node", record.node_id, "sandboxes")
         old = _strs(await self.client.smembers(own))
+        own_volumes = self._k("node", record.node_id, "volumes")
+        old_volumes: dict[str, str] = {}
+        if volumes is not None:
+            old_volumes = {_str(k): _str(v) for k, v in
+                           (await self.client.hgetall(own_volumes)).items()}
         gone = old - ids
         if gone:  # only those still ours: another node may have resumed one of them
             owners = await self.client.hmget(self._k("sandboxes"), sorted(gone))
@@ -182,9 +201,29 @@ class Registry:
                 p.sadd(self._k("autoresume"), *resumable)
             if (ids | gone) - resumable:
                 p.srem(self._k("autoresume"), *((ids | gone) - resumable))
+            if volumes is not None:
+                self._volumes(p, record.node_id, old_volumes, volumes)
             p.hset(self._k("nodes"), record.node_id, record.to_json())
             p.set(self._k("alive", record.node_id), str(time.time()), px=int(self.ttl_s * 1000))
             await p.execute()
+
+    def _volumes(self, p: Any, node_id: str, old: Mapping[str, str],
+                 new: Mapping[str, str]) -> None:
+        """Queue on pipeline ``p`` the replacement of ``node_id``'s volumes ``old`` (id ->
+        name) by ``new``. Volumes never move between nodes, so a name or id another node
+        published since is that node's: only this node's entries are removed."""
+        gone_ids = set(old) - set(new)
+        gone_names = set(old.values()) - set(new.values())
+        if gone_ids:
+            p.hdel(self._k("volumes"), *gone_ids)
+        if gone_names:
+            p.hdel(self._k("volume-names"), *gone_names)
+        own = self._k("node", node_id, "volumes")
+        p.delete(own)
+        if new:
+            p.hset(own, mapping=dict(new))
+            p.hset(self._k("volumes"), mapping={i: node_id for i in new})
+            p.hset(self._k("volume-names"), mapping={n: node_id for n in new.values()})
 
     async def leave(self, node_id: str) -> None:
         """The node stops: out of scheduling at once (its record and index stay: its paused
@@ -231,6 +270,30 @@ class Registry:
         """Whether traffic resumes the offered, paused ``sandbox_id`` (``autoResume``)."""
         return bool(await self.client.sismember(self._k("autoresume"), sandbox_id))
 
+    # -- volumes (published by their nodes; names claimed by gateways)
+
+    async def volume_node(self, volume_id: str) -> str | None:
+        """The node that holds volume ``volume_id``, if any node published it."""
+        node = await self.client.hget(self._k("volumes"), volume_id)
+        return None if node is None else _str(node)
+
+    async def volume_name_node(self, name: str) -> str | None:
+        """The node that holds the volume named ``name``, if any node published it."""
+        node = await self.client.hget(self._k("volume-names"), name)
+        return None if node is None else _str(node)
+
+    async def claim_volume_name(self, name: str, token: str, ttl_s: float) -> bool:
+        """Hold ``name`` for a volume create for at most ``ttl_s``; False when another
+        create holds it."""
+        return bool(await self.client.set(self._k("volume-name", name), token,
+                                          nx=True, px=int(ttl_s * 1000)))
+
+    async def release_volume_name(self, name: str, token: str) -> None:
+        """Give up a claim of ``claim_volume_name`` if it is still ``token``'s."""
+        key = self._k("volume-name", name)
+        if _str(await self.client.get(key) or "") == token:
+            await self.client.delete(key)
+
     # -- templates (written by gateways)
 
     async def set_template_home(self, node_id: str, *refs: str) -> None:
@@ -265,6 +328,11 @@ class Registry:
                 p.srem(self._k("autoresume"), *ids)
             p.delete(self._k("node", node_id, "sandboxes"), self._k("alive", node_id))
             p.hdel(self._k("nodes"), node_id)
+            await p.execute()
+        old = {_str(k): _str(v) for k, v in
+               (await self.client.hgetall(self._k("node", node_id, "volumes"))).items()}
+        async with self.client.pipeline(transaction=True) as p:
+            self._volumes(p, node_id, old, {})
             await p.execute()
 
 

@@ -1,18 +1,25 @@
 """Which node a create goes to: pure functions over the registry's node statuses.
 
-A node may take a create when it is ready (heartbeat within its TTL, not draining) and the
-create fits every budget it publishes (``NodeRecord``: sandboxes holding a VM against
-``max_sandboxes``, sandboxes starting against ``max_starting``, guest vCPUs and memory
-against ``vcpus``/``memory_mb``; a budget of 0 is no limit), counting the creates this
-gateway has in flight to it (each as one more sandbox, starting, of the create's size).
-Those nodes go least loaded first: by the largest share of a lasting budget (sandboxes,
-vCPUs, memory) the node would use with the create placed (so a node nearly out of memory
-ranks low even with few sandboxes), a node that holds the create's template counting
-``CACHE_PREFERENCE`` less; then fewest starting (a passing budget: a filter and a
-tie-break, not a share, or every idle node would look 1/max_starting full), fewest
-sandboxes, id. The gateway tries them in that order and moves
-to the next when one refuses (429, 5xx, timeout): the published usage is a second old at
-most, and the node's own admission stays the judge.
+A node may take a create when it is ready (heartbeat within its TTL, not draining), the
+create fits every lasting budget it publishes (``NodeRecord``: sandboxes holding a VM
+against ``max_sandboxes``, guest vCPUs and memory against ``vcpus``/``memory_mb``; a budget
+of 0 is no limit), and it has a start for it: one of its ``max_starting`` free, or a place
+in the queue behind them (``start_queue``, ``aenv.orchestrator.start_queue``: the create
+waits there for its turn instead of being refused). Creates this gateway has in flight to
+a node count as one more sandbox each, of the create's size, and as one more start taken
+or queued (the node's figures may count some of them too: an over-estimate, which costs
+at most a later place in the order).
+
+Nodes with a free start go first, least loaded first: by the largest share of a lasting
+budget (sandboxes, vCPUs, memory) the node would use with the create placed (so a node
+nearly out of memory ranks low even with few sandboxes), a node that holds the create's
+template counting ``CACHE_PREFERENCE`` less; then fewest starting, fewest sandboxes, id.
+Nodes that can only queue it come after them, shortest wait first (starts taken or queued
+per start of ``max_starting``), then in the same order. The gateway tries them in that
+order and moves to the next when one refuses (429, 5xx, timeout): the published usage is
+a second old at most, and the node's own admission stays the judge. When no ready node
+has room or a queue place for it, every budget is exhausted: the gateway answers 429 with
+``Retry-After`` (``RETRY_AFTER_S``) without asking any.
 
 A paused sandbox whose node is gone or full goes to these nodes minus those that cannot
 restore its snapshot (``gateway``, ``NodeRecord.restores``).
@@ -35,6 +42,10 @@ DEFAULT_MEMORY_MB = 512
 # A node that holds the template (no snapshot to fetch) is preferred over one whose
 # fullest budget is up to this share emptier.
 CACHE_PREFERENCE = 0.1
+# Retry-After (seconds) of the gateway's own 429, when no node has room or a queue place.
+# The figures it judged by are a heartbeat old at most (``registry.DEFAULT_TTL_S`` / 3), so
+# a retry a little later sees fresh ones.
+RETRY_AFTER_S = 2
 
 
 @dataclass(frozen=True)
@@ -80,10 +91,39 @@ def starting(node: NodeStatus, in_flight: Mapping[str, int]) -> int:
     return node.record.starting + in_flight.get(node.record.node_id, 0)
 
 
-def has_room(node: NodeStatus, in_flight: Mapping[str, int], ask: Ask = Ask()) -> bool:
+def pending(node: NodeStatus, in_flight: Mapping[str, int]) -> int:
+    """Starts taken or queued there, with this gateway's creates in flight."""
+    return starting(node, in_flight) + node.record.queued
+
+
+def fits(node: NodeStatus, in_flight: Mapping[str, int], ask: Ask = Ask()) -> bool:
+    """Whether the create fits every lasting budget the node publishes."""
+    return all(s <= 1.0 for s in shares(node, in_flight, ask))
+
+
+def has_free_start(node: NodeStatus, in_flight: Mapping[str, int]) -> bool:
+    """Whether one of the node's ``max_starting`` starts is free (0: no limit)."""
     cap = node.record.max_starting
-    return (cap <= 0 or starting(node, in_flight) < cap) and \
-        all(s <= 1.0 for s in shares(node, in_flight, ask))
+    return cap <= 0 or pending(node, in_flight) < cap
+
+
+def can_queue(node: NodeStatus, in_flight: Mapping[str, int]) -> bool:
+    """Whether the node has a start free or a place in its start queue."""
+    cap = node.record.max_starting
+    return cap <= 0 or pending(node, in_flight) < cap + max(node.record.start_queue, 0)
+
+
+def has_room(node: NodeStatus, in_flight: Mapping[str, int], ask: Ask = Ask()) -> bool:
+    """Whether the node may take the create now or queue it."""
+    return fits(node, in_flight, ask) and can_queue(node, in_flight)
+
+
+def wait_turns(node: NodeStatus, in_flight: Mapping[str, int]) -> float:
+    """How many starts' time a create placed now waits for its turn (0: a start is free)."""
+    cap = node.record.max_starting
+    if has_free_start(node, in_flight):
+        return 0.0
+    return (pending(node, in_flight) - cap + 1) / cap
 
 
 def fullness(node: NodeStatus, in_flight: Mapping[str, int], ask: Ask = Ask()) -> float:
@@ -94,17 +134,16 @@ def fullness(node: NodeStatus, in_flight: Mapping[str, int], ask: Ask = Ask()) -
 
 def candidates(nodes: Iterable[NodeStatus], in_flight: Mapping[str, int] | None = None,
                holders: Collection[str] = (), ask: Ask = Ask(), *,
-               overflow: bool = False) -> list[NodeStatus]:
-    """The nodes a create of size ``ask`` may go to, best first; ``holders`` hold its
-    template. ``overflow``: when no node has room by what they published, every ready
-    node, in the same order: the usage read is up to a heartbeat old, and a node's own
-    admission may queue a start rather than refuse it."""
+               queue: bool = True) -> list[NodeStatus]:
+    """The nodes a create of size ``ask`` may go to, best first (the module's order);
+    ``holders`` hold its template. Empty when no ready node has room or a queue place.
+    ``queue`` False: only nodes with a start free, for what a node does not queue (a
+    resume taken over from another node, a template build)."""
     busy = in_flight or {}
-    live = [n for n in nodes if n.status == "ready"]
-    ready = [n for n in live if has_room(n, busy, ask)]
-    if not ready and overflow:
-        ready = live
+    ready = [n for n in nodes if n.status == "ready" and fits(n, busy, ask)
+             and (can_queue(n, busy) if queue else has_free_start(n, busy))]
     return sorted(ready, key=lambda n: (
+        wait_turns(n, busy),
         fullness(n, busy, ask) - (CACHE_PREFERENCE if n.record.node_id in holders else 0.0),
         starting(n, busy),
         load(n, busy),

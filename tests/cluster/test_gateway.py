@@ -181,6 +181,29 @@ async def test_a_create_refused_by_one_node_goes_to_the_next(cluster) -> None:
     assert r.status_code == 503
 
 
+async def test_a_create_queues_on_a_node_whose_starts_are_taken_before_a_429(cluster) -> None:
+    reg, client, a, b = cluster
+    # a: every start taken, a queue place left; b: starts taken and its queue full
+    await reg.publish(NodeRecord("a", a.url, "t", max_starting=2, start_queue=2, starting=2,
+                                 queued=1), [])
+    await reg.publish(NodeRecord("b", b.url, "t", max_starting=2, start_queue=2, starting=2,
+                                 queued=2), [])
+    r = await client.post("/sandboxes", json={"templateID": "base"})
+    assert r.status_code == 201 and r.json()["sandboxID"] == "a-new"
+    assert [p for m, p, _ in b.seen] == []              # b could not even queue it
+    # a's queue full too: the gateway answers 429 itself, with Retry-After, asking no node
+    await reg.publish(NodeRecord("a", a.url, "t", max_starting=2, start_queue=2, starting=2,
+                                 queued=2), [])
+    seen = len(a.seen)
+    r = await client.post("/sandboxes", json={"templateID": "base"})
+    assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+    assert r.json()["code"] == 429 and len(a.seen) == seen
+    await reg.leave("a")
+    await reg.leave("b")
+    r = await client.post("/sandboxes", json={"templateID": "base"})
+    assert r.status_code == 503
+
+
 def started(second: int) -> str:
     return f"2026-01-01T00:00:{second:02d}.123456Z"
 
@@ -265,9 +288,9 @@ async def test_nodes_are_reported(cluster) -> None:
     assert [(n["nodeID"], n["status"]) for n in nodes] == [("a", "ready"), ("b", "unhealthy")]
     one = (await client.get("/nodes/a")).json()
     assert one["url"] == a.url and one["version"] == "0.1.0"
-    assert one["sandboxes"] == {"running": 1, "paused": 1, "starting": 1}
-    assert one["capacity"] == {"maxSandboxes": 64, "maxStarting": 8, "cpuCount": 32,
-                               "memoryMB": 49152}
+    assert one["sandboxes"] == {"running": 1, "paused": 1, "starting": 1, "queued": 0}
+    assert one["capacity"] == {"maxSandboxes": 64, "maxStarting": 8, "startQueue": 0,
+                               "cpuCount": 32, "memoryMB": 49152}
     assert one["usage"] == {"cpuCount": 2, "memoryMB": 1024}
     assert (await client.get("/nodes/zz")).status_code == 404
     assert (await client.get("/nodes", headers={"X-API-KEY": ""})).status_code == 401

@@ -100,16 +100,19 @@ async def test_a_paused_sandbox_another_node_took_is_not_published(tmp_path: Pat
 
 def test_a_node_publishes_its_budgets_and_what_its_sandboxes_use(tmp_path: Path) -> None:
     """The budgets are the settings' (host cores and RAM x overcommit); the usage counts
-    the sandboxes holding a VM, as admission does, and those starting."""
+    the sandboxes holding a VM, as admission does, those starting, and the creates queued
+    behind the starts (counted against vCPUs and memory as admission counts them)."""
     import os
 
     from aenv.cluster.node_setup import capacity_of, usage_of
     from aenv.store import Database, SandboxRecord, SandboxState, SandboxStore
 
     s = Settings.from_env({"AENV_HOME": str(tmp_path / "home"), "AENV_MAX_SANDBOXES": "7",
-                           "AENV_MAX_STARTING": "3", "AENV_CPU_OVERCOMMIT": "4"})
+                           "AENV_MAX_STARTING": "3", "AENV_CPU_OVERCOMMIT": "4",
+                           "AENV_START_QUEUE": "5"})
     cap = capacity_of(s)
     assert (cap.max_sandboxes, cap.max_starting, cap.vcpus) == (7, 3, 4 * (os.cpu_count() or 1))
+    assert cap.start_queue == 5
     assert cap.memory_mb > 0
     db = Database(tmp_path / "db.sqlite")
     try:
@@ -124,6 +127,10 @@ def test_a_node_publishes_its_budgets_and_what_its_sandboxes_use(tmp_path: Path)
                 end_at=2.0, cpu_count=cpus, memory_mb=mem, disk_size_mb=2048))
         used = usage_of(sandboxes)()
         assert (used.starting, used.vcpus_used, used.memory_used_mb) == (2, 4, 1792)
+        assert used.queued == 0
+        used = usage_of(sandboxes, lambda: [(2, 2048), (1, 512)])()
+        assert (used.starting, used.queued) == (2, 2)
+        assert (used.vcpus_used, used.memory_used_mb) == (4 + 3, 1792 + 2560)
     finally:
         db.close()
 

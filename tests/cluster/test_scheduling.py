@@ -4,7 +4,15 @@ no Redis. Each case fails if one budget were left out of the check or the rankin
 from __future__ import annotations
 
 from aenv.cluster.registry import NodeRecord, NodeStatus
-from aenv.cluster.scheduling import CACHE_PREFERENCE, Ask, candidates, fullness, has_room
+from aenv.cluster.scheduling import (
+    CACHE_PREFERENCE,
+    Ask,
+    candidates,
+    fullness,
+    has_free_start,
+    has_room,
+    wait_turns,
+)
 
 
 def node(node_id: str, *, alive: bool = True, **kw: object) -> NodeStatus:
@@ -87,9 +95,39 @@ def test_the_asked_size_comes_from_the_create_body() -> None:
     assert Ask.of(b"[1]") == Ask()
 
 
-def test_overflow_offers_every_ready_node_when_none_has_room_by_its_figures() -> None:
+def test_no_ready_node_with_room_or_a_queue_place_is_no_candidate() -> None:
     full = [node("a", running=64), node("b", running=60, memory_used_mb=16384)]
     assert candidates(full) == []
-    assert ids(candidates(full, overflow=True)) == ["a", "b"]  # a: 65/64, b: memory 1.03
-    assert ids(candidates([*full, node("c")], overflow=True)) == ["c"]
-    assert candidates([node("d", alive=False)], overflow=True) == []
+    assert ids(candidates([*full, node("c")])) == ["c"]
+    assert candidates([node("d", alive=False)]) == []
+
+
+def test_a_node_with_its_starts_taken_still_takes_a_create_into_its_queue() -> None:
+    queues = node("q", starting=8, running=8, start_queue=4)
+    assert has_room(queues, {}) and not has_free_start(queues, {})
+    assert ids(candidates([queues])) == ["q"]
+    # its queue's bound counts the queued creates and this gateway's in flight
+    assert not has_room(node("q", starting=8, queued=4, start_queue=4), {})
+    assert not has_room(queues, {"q": 4})
+    assert has_room(queues, {"q": 3})
+    # a node that publishes no queue (from before it) refuses at max_starting, as it does
+    assert not has_room(node("old", starting=8), {})
+    # a queue place is no way round a lasting budget
+    assert not has_room(node("m", starting=8, start_queue=4, memory_used_mb=16000), {})
+    # and what a node does not queue (a resume, a build) goes only where a start is free
+    assert candidates([queues], queue=False) == []
+
+
+def test_nodes_with_a_start_free_go_first_then_the_shortest_queue() -> None:
+    # "full" is the fullest by memory but the only one with a start free
+    full = node("full", memory_used_mb=14336)
+    long_q = node("long", starting=8, queued=6, start_queue=64)
+    short_q = node("short", starting=8, queued=1, start_queue=64, running=40)
+    assert ids(candidates([long_q, short_q, full])) == ["full", "short", "long"]
+    # queues are compared per start: 9 waiting on 16 starts beat 2 on one
+    wide = node("wide", max_starting=16, starting=16, queued=8, start_queue=64)
+    narrow = node("narrow", max_starting=1, starting=1, queued=1, start_queue=64)
+    assert wait_turns(wide, {}) < wait_turns(narrow, {})
+    assert ids(candidates([narrow, wide])) == ["wide", "narrow"]
+    # this gateway's creates in flight lengthen a node's queue
+    assert ids(candidates([long_q, short_q], {"short": 6})) == ["long", "short"]
