@@ -12,11 +12,17 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
+import pytest_asyncio
 
 from aenv.proxy.router import ENVD_PORT
 from tests.proxy.helpers import listen_on_free_loopback, serving_front
 
 USER_PORT = 3000
+
+# One proxy and fake upstream per HTTP implementation serve the whole module (starting and
+# stopping uvicorn for each of ~100 cases was most of this file's time); tests run on the
+# module's loop so that the servers keep running between them.
+on_module_loop = pytest.mark.asyncio(loop_scope="module")
 
 
 class FakeUpstream:
@@ -55,8 +61,8 @@ class FakeUpstream:
         writer.close()
 
 
-@pytest.fixture(params=["h11", "httptools"])
-async def proxy(request) -> AsyncIterator[tuple[int, FakeUpstream]]:
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["h11", "httptools"])
+async def _served(request) -> AsyncIterator[tuple[int, FakeUpstream]]:
     upstream = FakeUpstream()
     await upstream.start()
     try:
@@ -64,6 +70,13 @@ async def proxy(request) -> AsyncIterator[tuple[int, FakeUpstream]]:
             yield port, upstream
     finally:
         await upstream.close()
+
+
+@pytest.fixture
+def proxy(_served: tuple[int, FakeUpstream]) -> tuple[int, FakeUpstream]:
+    """The module's proxy, its upstream's record of requests emptied for this test."""
+    _served[1].seen.clear()
+    return _served
 
 
 async def _raw(port: int, target: str, *, sandbox_port: int = ENVD_PORT,
@@ -95,6 +108,7 @@ INIT_SPELLINGS = [
 ]
 
 
+@on_module_loop
 @pytest.mark.parametrize("target", INIT_SPELLINGS)
 async def test_envd_internal_routes_are_404_in_any_spelling_and_never_reach_envd(
         proxy, target) -> None:
@@ -103,6 +117,7 @@ async def test_envd_internal_routes_are_404_in_any_spelling_and_never_reach_envd
     assert upstream.seen == []
 
 
+@on_module_loop
 @pytest.mark.parametrize("target", ["/./init", "//init", "/%2e%2e/init", "/a/../b"])
 async def test_websocket_upgrades_are_checked_the_same_way(proxy, target) -> None:
     port, upstream = proxy
@@ -110,6 +125,7 @@ async def test_websocket_upgrades_are_checked_the_same_way(proxy, target) -> Non
     assert upstream.seen == []
 
 
+@on_module_loop
 @pytest.mark.parametrize("target", [
     "/health", "/files?path=%2Fhome%2Fuser%2Fa%20b&username=user",
     "/process.Process/Start", "/filesystem.Filesystem/Stat", "/envs", "/initialize",
@@ -121,6 +137,7 @@ async def test_ordinary_envd_paths_pass_byte_for_byte(proxy, target) -> None:
     assert upstream.seen == [f"POST {target} HTTP/1.1".encode()]
 
 
+@on_module_loop
 @pytest.mark.parametrize("target", ["/a%2Fb", "/api/%2e%2e-not-a-segment", "/a%20b/c",
                                     "/%7Euser/x", "/init", "//x"])
 async def test_user_ports_get_the_raw_path_unchanged(proxy, target) -> None:
@@ -131,12 +148,14 @@ async def test_user_ports_get_the_raw_path_unchanged(proxy, target) -> None:
     assert upstream.seen == [f"POST {target} HTTP/1.1".encode()]
 
 
+@on_module_loop
 async def test_user_ports_get_bytes_httpx_must_escape_escaped(proxy) -> None:
     port, upstream = proxy
     assert await _raw(port, "/a{b}c", sandbox_port=USER_PORT) == 200
     assert upstream.seen == [b"POST /a%7Bb%7Dc HTTP/1.1"]  # decodes to the same path
 
 
+@on_module_loop
 @pytest.mark.parametrize("target", ["/a/../b", "/./x", "/a/%2e%2e/b", "/a/.%2E"])
 async def test_dot_segments_are_refused_on_every_port(proxy, target) -> None:
     port, upstream = proxy
