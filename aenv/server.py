@@ -23,6 +23,7 @@ from .cluster.drain import drain_router
 from .cluster.node_agent import PublishAfterChange
 from .cluster.node_setup import node_agent
 from .cluster.owners import owner_router
+from .cluster.shared_secrets import SharedSecrets
 from .config import Settings
 from .egress.setup import node_proxy
 from .envd.signing import Operation
@@ -45,7 +46,7 @@ from .store import (
     TemplateStore,
 )
 from .store.secret_box import SecretBox, load_key
-from .store.secrets import SecretStore
+from .store.secrets import LocalSecrets, Secrets, SecretStore
 from .store.volumes import VolumeStore
 
 log = logging.getLogger("aenv.server")
@@ -103,7 +104,12 @@ class Server:
         self.volumes = Volumes(VolumeStore(self.db), self.sandboxes, settings)
         self.secrets = SecretStore(self.db, SecretBox(load_key(settings.secrets_dir)))
         self.machines = machines
-        self.egress = node_proxy(settings, self.secrets)
+        # In a cluster the secrets are the cluster's (``aenv.cluster.shared_secrets``): one
+        # made through any gateway fills the egress transforms of this node's sandboxes.
+        self.shared_secrets = SharedSecrets.from_url(
+            settings.cluster, settings.cluster_secret or "") if settings.cluster else None
+        secrets: Secrets = self.shared_secrets or LocalSecrets(self.secrets)
+        self.egress = node_proxy(settings, secrets)
         if getattr(machines, "pool", None) is not None:  # VMs in network slots
             machines.pool.egress = self.egress  # type: ignore[attr-defined]
             machines.egress_ca = self.egress.ca.pem  # type: ignore[attr-defined]
@@ -131,15 +137,16 @@ class Server:
             finally:
                 await self.close()
 
-        self.cluster = node_agent(settings, self.sandboxes,
-                                  queued=self.orchestrator.start_queue.queued_sizes) \
+        self.cluster = node_agent(
+            settings, self.sandboxes, queued=self.orchestrator.start_queue.queued_sizes,
+            volumes=lambda: {v.id: v.name for v in self.volumes.all()}) \
             if settings.cluster else None
         api = create_api(
             self.orchestrator, api_key=self.api_key, domain=self.options.domain,
             metrics=self.metrics, logs=self.machines.logs, lifespan=lifespan,
             builder=self.builder, upload_secret=self.api_key.encode(),
             cluster_secret=settings.cluster_secret if settings.cluster else None,
-            secret_store=self.secrets,
+            secret_store=secrets,
             extra_routers=(drain_router(self.cluster),
                            owner_router(self._signed_lookup, self._token_lookup))
             if self.cluster else (),
@@ -199,6 +206,8 @@ class Server:
         await self.orchestrator.close()
         await self.machines.close()
         await self.egress.close()
+        if self.shared_secrets is not None:
+            await self.shared_secrets.close()
         await asyncio.to_thread(self.volumes.close)
         await self.proxy.close()
         self.db.close()

@@ -35,6 +35,10 @@ from tests.network.helpers import make_settings
 INET_IP = "10.125.10.2"
 
 
+async def _secret(name: str) -> str | None:
+    return "secret" if name == "tok" else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=200)
@@ -52,7 +56,7 @@ def main() -> None:
     try:
         inet = Internet(tmp, "aesb-inet", "aesb-i", "10.125.10.1", INET_IP)
         node_ca = EgressCA(tmp / "node-ca")
-        proxy = EgressProxy(node_ca, {"tok": "secret"}.get, resolver=Resolver(inet.hosts),
+        proxy = EgressProxy(node_ca, _secret, resolver=Resolver(inet.hosts),
                             refused=upstream_refused(addressing), upstream_ca=inet.ca_file)
         asyncio.run_coroutine_threadsafe(proxy.start(), loop).result(5)
         slot = NetworkSlot.create(addressing, 1, egress=proxy)

@@ -19,6 +19,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..orchestrator.service import Orchestrator
+from ..store.secrets import LocalSecrets, SecretStore
 from . import errors, sandboxes, secrets, snapshots, templates, volume_content, volumes
 from .auth import ApiKeyMiddleware
 from .errors import ApiError, error_response
@@ -95,7 +96,9 @@ def create_api(
     app.state.upload_limit = upload_limit
     app.state.upload_link_ttl = upload_link_ttl
     app.state.volumes = volume_service
-    app.state.secrets = secret_store  # None: /secrets answers 501
+    # None: /secrets answers 501. A node's own SecretStore is served through LocalSecrets.
+    app.state.secrets = LocalSecrets(secret_store) if isinstance(secret_store, SecretStore) \
+        else secret_store
     errors.install(app)
 
     @app.get("/health", status_code=204)

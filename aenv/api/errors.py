@@ -35,6 +35,7 @@ from ..network.errors import NetworkError, PoolClosedError, PoolExhaustedError
 from ..orchestrator.errors import LimitReached, OrchestratorError
 from ..runtime.base import NotSupportedError, VMError
 from ..storage.errors import StorageError
+from ..store.secrets import SecretsUnavailable
 from ..store.templates import NameTaken
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 HOST_FAULTS: tuple[tuple[type[Exception], int, str], ...] = (
     (PoolExhaustedError, 503, "no network slot is free on this node"),
     (PoolClosedError, 503, "the server is shutting down"),
+    (SecretsUnavailable, 503, "the cluster's secret store (Redis) is unreachable"),
     (NetworkError, 500, "host network failure"),
     (NotSupportedError, 501, "this node's VM runtime cannot do that"),
     (VMError, 500, "VM runtime failure"),

@@ -5,7 +5,8 @@ Names are lower-cased before they are stored and are unique; ``sec_`` starts ids
 Metadata: at most 32 entries, keys up to 128 bytes, values up to 1024, 8192 in all. Every
 answer is the ``Secret`` object without the value: the value goes in and never comes
 back out of the API (the egress proxy reads it, ``aenv.egress``). Pages are ordered by
-creation; ``X-Next-Token`` is an opaque cursor.
+creation; ``X-Next-Token`` is an opaque cursor. The store is ``app.state.secrets``
+(``Secrets``): the node's own, or in a cluster the shared one, which a gateway serves too.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from ..store.secrets import ID_PREFIX, SecretNameTaken, SecretRecord, SecretStore
+from ..store.secrets import ID_PREFIX, SecretNameTaken, SecretRecord, Secrets
 from . import listing, views
 from .errors import ApiError
 from .models import _Body
@@ -45,8 +46,8 @@ class SecretUpdate(_Body):
     metadata: dict[str, str] | None = None
 
 
-def _store(request: Request) -> SecretStore:
-    store: SecretStore | None = request.app.state.secrets
+def _store(request: Request) -> Secrets:
+    store: Secrets | None = request.app.state.secrets
     if store is None:
         raise ApiError(501, "secrets are not enabled on this server")
     return store
@@ -116,7 +117,7 @@ async def create_secret(request: Request, body: NewSecret) -> Response:
     _check_value(body.value)
     _check_metadata(body.metadata)
     try:
-        rec = _store(request).create(name, body.value, body.metadata or {})
+        rec = await _store(request).create(name, body.value, body.metadata or {})
     except SecretNameTaken as e:
         raise ApiError(409, str(e)) from None
     return JSONResponse(_view(rec), status_code=201)
@@ -127,7 +128,7 @@ async def list_secrets(request: Request, limit: int = listing.DEFAULT_LIMIT,
                        nextToken: str | None = None) -> Response:
     if not 1 <= limit <= listing.MAX_LIMIT:
         raise ApiError(400, f"limit must be between 1 and {listing.MAX_LIMIT}")
-    rows = _store(request).page(_after(nextToken) if nextToken else None, limit + 1)
+    rows = await _store(request).page(_after(nextToken) if nextToken else None, limit + 1)
     page = rows[:limit]
     headers = {"X-Next-Token": _cursor(page[-1])} if len(rows) > limit else {}
     return JSONResponse([_view(r) for r in page], headers=headers)
@@ -135,7 +136,7 @@ async def list_secrets(request: Request, limit: int = listing.DEFAULT_LIMIT,
 
 @router.get("/secrets/{id_or_name}")
 async def get_secret(request: Request, id_or_name: str) -> Response:
-    rec = _store(request).get(id_or_name)
+    rec = await _store(request).get(id_or_name)
     if rec is None:
         raise _not_found(id_or_name)
     return JSONResponse(_view(rec))
@@ -145,7 +146,7 @@ async def get_secret(request: Request, id_or_name: str) -> Response:
 async def update_secret(request: Request, id_or_name: str, body: SecretUpdate) -> Response:
     _check_value(body.value)
     _check_metadata(body.metadata)
-    rec = _store(request).update(id_or_name, body.value, body.metadata)
+    rec = await _store(request).update(id_or_name, body.value, body.metadata)
     if rec is None:
         raise _not_found(id_or_name)
     return JSONResponse(_view(rec))
@@ -153,6 +154,6 @@ async def update_secret(request: Request, id_or_name: str, body: SecretUpdate) -
 
 @router.delete("/secrets/{id_or_name}", status_code=204)
 async def delete_secret(request: Request, id_or_name: str) -> Response:
-    if not _store(request).delete(id_or_name):
+    if not await _store(request).delete(id_or_name):
         raise _not_found(id_or_name)
     return Response(status_code=204)

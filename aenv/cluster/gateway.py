@@ -42,6 +42,11 @@ One listener, as a node has (``aenv.proxy.front.Front`` decides per request):
   (Redis ``template:<ref>:nodes``: where it was built or already started; not ``base``,
   which every node has), by ``scheduling.CACHE_PREFERENCE``. With a shared
   store (``AENV_SHARED_STORE``) any node starts a template built elsewhere.
+- Volumes live on the node that made them (``volume_routes``): their REST and content
+  calls (``/volumecontent``, before the key check: the volume's token) go there, and a
+  create with ``volumeMounts`` goes to that node only.
+- Secrets (``/secrets``) are the cluster's, in Redis (``shared_secrets``): the gateway
+  serves them itself, with a node's own routes and rules (``aenv.api.secrets``).
   Anything else answers 501.
 - A resume or connect of a paused sandbox whose node is gone (past its TTL, or not
   answering) or full (429) goes to another ready node with a start free that can restore its
@@ -81,7 +86,9 @@ from ..storage.shared_store import incompatibilities
 from .owners import Owners
 from .registry import NodeStatus, Registry
 from .scheduling import RETRY_AFTER_S, Ask, candidates
+from .shared_secrets import SharedSecrets, secrets_app
 from .trust import SECRET_HEADER
+from .volume_routes import VolumeRoutes, content_first, is_volume_call
 
 log = logging.getLogger("aenv.gateway")
 
@@ -167,7 +174,11 @@ class Gateway:
         self.proxy.on_stale = self._forget_route
         self._routes: dict[str, tuple[float, Route]] = {}  # sandbox id -> (until, route)
         self._resuming: dict[str, asyncio.Task[bool]] = {}  # by traffic, per sandbox id
-        rest = ApiKeyMiddleware(self._rest, api_key)
+        self.volumes = VolumeRoutes(self)
+        self.secrets_api = secrets_app(
+            SharedSecrets(registry.client, cluster_secret, prefix=registry.prefix))
+        # The volume content API has its own auth (the volume's token), which its node checks.
+        rest = content_first(ApiKeyMiddleware(self._rest, api_key), self.volumes)
         # Signed /files URLs and token-only envd calls name no sandbox: the nodes say whose.
         self.owners = Owners(registry, self.http, self.secret)
         self.app: ASGIApp = _Lifespan(
@@ -260,6 +271,8 @@ class Gateway:
     async def _rest(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
+        if scope["path"] == "/secrets" or scope["path"].startswith("/secrets/"):
+            return await self.secrets_api(scope, receive, send)
         try:
             reply = await self._answer(scope, receive)
         except (RedisError, OSError) as e:
@@ -288,6 +301,8 @@ class Gateway:
             return Reply.error(413, "request body too large")
         if path in _CREATES and method == "POST":
             return await self._create(scope, body)
+        if is_volume_call(path):
+            return await self.volumes.rest(scope, body)
         if path in _LISTS and method == "GET":
             return await self._list(scope)
         if m := _SANDBOX.match(path):
@@ -328,6 +343,14 @@ class Gateway:
         holders = await self.registry.template_nodes(template) if template else set()
         nodes = await self.registry.nodes()
         order = candidates(nodes, self.in_flight, holders, Ask.of(body))
+        mounts_on = await self.volumes.mounts_node(body)
+        if isinstance(mounts_on, Reply):
+            return mounts_on
+        if mounts_on is not None:  # where its volumes live; that node's admission decides
+            order = [n for n in nodes if n.record.node_id == mounts_on and n.status == "ready"]
+            if not order:
+                return Reply.error(503, f"the node of the sandbox's volumes ({mounts_on}) is "
+                                   "not ready (gone or draining)")
         if not order:
             if any(n.status == "ready" for n in nodes):
                 return Reply.json(

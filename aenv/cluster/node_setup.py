@@ -6,7 +6,9 @@ live sandbox of its store (``LIVE_STATES``: running, paused, fork children, thos
 starting or stopping), counted as running while it holds a VM (``VM_STATES``), and with
 its record its budgets (``Capacity``: the same limits its admission applies, the start
 queue's bound among them) and what those sandboxes, and the creates waiting in its start
-queue, use of them, so gateways send creates only where they fit or can wait.
+queue, use of them, so gateways send creates only where they fit or can wait; and its
+volumes, so that gateways route a volume's calls, and the creates that mount it, here. A
+paused sandbox that mounts volumes is not offered to other nodes: its volumes live here.
 """
 
 from __future__ import annotations
@@ -120,9 +122,11 @@ def check(settings: Settings) -> None:
 
 def node_agent(settings: Settings, sandboxes: SandboxStore,
                capacity: Capacity | None = None,
-               queued: Callable[[], Sequence[tuple[int, int]]] = tuple) -> NodeAgent:
+               queued: Callable[[], Sequence[tuple[int, int]]] = tuple,
+               volumes: Callable[[], dict[str, str]] | None = None) -> NodeAgent:
     """``capacity`` None: ``capacity_of(settings)``; ``queued``: the sizes of the creates
-    waiting in the node's start queue (``StartQueue.queued_sizes``)."""
+    waiting in the node's start queue (``StartQueue.queued_sizes``); ``volumes``: the
+    node's volumes, id -> name (None: it publishes none)."""
     assert settings.cluster, "not in a cluster"
     check(settings)
     shared = shared_store.SharedStore(settings.shared_store) if settings.shared_store \
@@ -169,11 +173,14 @@ def node_agent(settings: Settings, sandboxes: SandboxStore,
         for gone in [k for k in checked if k not in paused]:
             del checked[gone]
         return [IndexEntry(r.id, r.state in VM_STATES,
-                           offered(r.snapshot_id) if r.state == SandboxState.PAUSED else "",
-                           auto_resume=r.auto_resume and r.state == SandboxState.PAUSED)
+                           offered(r.snapshot_id)
+                           if r.state == SandboxState.PAUSED and not r.volume_mounts else "",
+                           auto_resume=r.auto_resume and r.state == SandboxState.PAUSED
+                           and not r.volume_mounts)
                 for r in live
                 if handover is None or r.state != SandboxState.PAUSED
                 or not moved(r, fresh)]
 
     return NodeAgent(Registry.from_url(settings.cluster), record, lambda: entries(False),
-                     usage_of(sandboxes, queued), fresh_index=lambda: entries(True))
+                     usage_of(sandboxes, queued), fresh_index=lambda: entries(True),
+                     volumes=volumes)

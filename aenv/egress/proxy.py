@@ -19,7 +19,8 @@ name, the request's Host must be that name, the headers are set, and the request
 the real host over TLS verified against the system's CAs (and ``upstream_ca``).
 
 ``${e2b.secrets.<name>}`` in a header value is replaced by the secret's current value at
-that moment; the guest never sees it. An unknown secret answers 502.
+that moment (``secret``, awaited: a node's store, or a cluster's shared one in Redis); the
+guest never sees it. An unknown secret, or one that cannot be read, answers 502.
 
 The same slot's DNS (its UDP 53, redirected) is answered here too (``dns``): a refused
 name does not resolve, an allowed one resolves to the addresses the proxy would dial.
@@ -40,7 +41,7 @@ import socket
 import ssl
 import struct
 import weakref
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -195,7 +196,7 @@ def _answer(status: int, reason: str, text: str) -> bytes:
 
 
 class EgressProxy:
-    def __init__(self, ca: EgressCA, secret: Callable[[str], str | None], *,
+    def __init__(self, ca: EgressCA, secret: Callable[[str], Awaitable[str | None]], *,
                  resolver: Resolver | None = None,
                  refused: Callable[[str], bool] = lambda _ip: False,
                  upstream_ca: Path | None = None) -> None:
@@ -372,16 +373,24 @@ class EgressProxy:
                 last = e
         raise Refused(f"upstream {addresses}:{port} unreachable: {last}")
 
-    def _headers(self, policy: EgressPolicy, name: str) -> tuple[tuple[str, str], ...]:
+    async def _headers(self, policy: EgressPolicy, name: str) -> tuple[tuple[str, str], ...]:
         out = []
         for key, value in policy.headers_for(name):
-            def fill(m: re.Match[str]) -> str:
-                secret = self._secret(m.group(1))
+            values: dict[str, str] = {}
+            for secret_name in sorted(set(_SECRET.findall(value))):
+                try:
+                    secret = await self._secret(secret_name)
+                except Exception as e:  # the store is unreachable (a cluster's Redis)
+                    raise _SecretError(f"secret {secret_name} could not be read "
+                                       f"({type(e).__name__})") from None
                 if secret is None:
-                    raise _SecretError(f"unknown secret {m.group(1)}")
+                    raise _SecretError(f"unknown secret {secret_name}")
                 if any(c in secret for c in "\r\n\0"):  # would split the header
-                    raise _SecretError(f"secret {m.group(1)} cannot go in a header")
-                return secret
+                    raise _SecretError(f"secret {secret_name} cannot go in a header")
+                values[secret_name] = secret
+
+            def fill(m: re.Match[str], values: dict[str, str] = values) -> str:
+                return values[m.group(1)]
             out.append((key, _SECRET.sub(fill, value)))
         return tuple(out)
 
@@ -395,7 +404,7 @@ class EgressProxy:
             if head.target_host not in (None, name):
                 raise Refused(f"the request names {head.target_host}, its Host {name}")
             addresses = await self._upstream_addr(name, policy, dialled)
-            headers = self._headers(policy, name)
+            headers = await self._headers(policy, name)
         except Refused as e:
             writer.write(_answer(403, "Forbidden", f"aenv egress: {e}"))
             await writer.drain()
@@ -438,7 +447,7 @@ class EgressProxy:
             await writer.drain()
             raise Refused(f"Host {head.host} on a TLS connection for {name}")
         try:
-            headers = self._headers(policy, name)
+            headers = await self._headers(policy, name)
         except _SecretError as e:
             writer.write(_answer(502, "Bad Gateway", f"aenv egress: {e}"))
             await writer.drain()

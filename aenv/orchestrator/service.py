@@ -642,10 +642,12 @@ class Orchestrator:
         return h if isinstance(h, Handover) else None
 
     async def _offer(self, sandbox_id: str) -> None:
-        """Offer the just-paused sandbox to the cluster, when its snapshot was published."""
+        """Offer the just-paused sandbox to the cluster, when its snapshot was published
+        and it mounts no volume (volumes live on this node only)."""
         handover = self.handover
         rec = self.sandboxes.get(sandbox_id)
-        if handover is None or rec is None or not handover.published(rec):
+        if handover is None or rec is None or rec.volume_mounts \
+                or not handover.published(rec):
             return
         try:
             bundle = await asyncio.to_thread(

@@ -5,6 +5,11 @@ and a list of versions; the newest is current. Values go in sealed and come out 
 through ``value`` (the egress proxy's header transforms); the API never reads them.
 Deleting a secret deletes every version.
 
+``Secrets`` is what the API and the egress proxy use, awaited: this node's store
+(``LocalSecrets`` over ``SecretStore``) or, in a cluster, the cluster's shared one
+(``aenv.cluster.shared_secrets``), which raises ``SecretsUnavailable`` while it cannot be
+reached.
+
 The two tables are created here (``CREATE TABLE IF NOT EXISTS``) rather than as a
 numbered migration of ``db.py``: they share nothing with the other tables, and so the
 order in which features add migrations cannot matter to them.
@@ -18,6 +23,7 @@ import sqlite3
 import string
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from .db import Database
 from .secret_box import SecretBox
@@ -42,6 +48,10 @@ CREATE TABLE IF NOT EXISTS secret_versions (
 
 ID_PREFIX = "sec_"
 _ID_CHARS = string.ascii_lowercase + string.digits
+
+
+class SecretsUnavailable(Exception):
+    """The store that holds the secrets cannot be reached now (a cluster's Redis)."""
 
 
 class SecretNameTaken(Exception):
@@ -151,3 +161,49 @@ class SecretStore:
         if not rows:
             return None
         return self._box.open(rows[0]["sealed"], _context(rows[0]["id"], rows[0]["version"]))
+
+
+class Secrets(Protocol):
+    """Secrets as the API and the egress proxy use them (see the module docstring)."""
+
+    async def create(self, name: str, value: str,
+                     metadata: dict[str, str]) -> SecretRecord: ...
+
+    async def get(self, id_or_name: str) -> SecretRecord | None: ...
+
+    async def update(self, id_or_name: str, value: str,
+                     metadata: dict[str, str] | None) -> SecretRecord | None: ...
+
+    async def delete(self, id_or_name: str) -> bool: ...
+
+    async def page(self, after: tuple[float, str] | None,
+                   limit: int) -> list[SecretRecord]: ...
+
+    async def value(self, name: str) -> str | None: ...
+
+
+class LocalSecrets:
+    """``SecretStore`` as ``Secrets``: this node's database, read and written inline (one
+    SQLite statement or two, as every other store call of the API)."""
+
+    def __init__(self, store: SecretStore) -> None:
+        self.store = store
+
+    async def create(self, name: str, value: str, metadata: dict[str, str]) -> SecretRecord:
+        return self.store.create(name, value, metadata)
+
+    async def get(self, id_or_name: str) -> SecretRecord | None:
+        return self.store.get(id_or_name)
+
+    async def update(self, id_or_name: str, value: str,
+                     metadata: dict[str, str] | None) -> SecretRecord | None:
+        return self.store.update(id_or_name, value, metadata)
+
+    async def delete(self, id_or_name: str) -> bool:
+        return self.store.delete(id_or_name)
+
+    async def page(self, after: tuple[float, str] | None, limit: int) -> list[SecretRecord]:
+        return self.store.page(after, limit)
+
+    async def value(self, name: str) -> str | None:
+        return self.store.value(name)

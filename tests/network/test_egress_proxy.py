@@ -55,7 +55,7 @@ class World:
         self.http, self.https, self.other = inet.http, inet.https, inet.other
         self.node_ca = EgressCA(tmp / "node-ca")
         self.secrets = {"tok": SECRET}
-        self.proxy = EgressProxy(self.node_ca, self.secrets.get, resolver=Resolver(inet.hosts),
+        self.proxy = EgressProxy(self.node_ca, self.secret, resolver=Resolver(inet.hosts),
                                  refused=upstream_refused(self.addressing),
                                  upstream_ca=inet.ca_file)
         self.loop = asyncio.new_event_loop()
@@ -64,6 +64,9 @@ class World:
         asyncio.run_coroutine_threadsafe(self.proxy.start(), self.loop).result(5)
         self.slot = NetworkSlot.create(self.addressing, 1, egress=self.proxy)
         self.guest = Guest(self.slot, f"{PREFIX}-g1", INET_IP)
+
+    async def secret(self, name: str) -> str | None:
+        return self.secrets.get(name)  # read at each request: a change applies to the next
 
     def guest_call(self, fn):  # type: ignore[no-untyped-def]
         return ns.run_in(self.guest.netns, fn)

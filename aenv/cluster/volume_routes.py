@@ -1,0 +1,221 @@
+"""The gateway's volume calls: a volume lives on one node, and its calls go there.
+
+A volume is an image on the node that made it (``aenv.storage.volumes``), served to that
+node's sandboxes only. Each node publishes its volumes (``Registry.volume_node``,
+``volume_name_node``), before its answer to a volume's create or delete goes out, so:
+
+- ``POST /volumes``: the name is claimed in Redis for the time of the create
+  (``Registry.claim_volume_name``), and refused with 409 when a node already holds a
+  volume of that name (names are unique in the cluster, as in one E2B team); then the
+  create goes to a ready node, best first by ``scheduling.candidates``, the next one only
+  when a node refuses the connection or answers 429/503 (a create that timed out may have
+  made the volume: it is not sent elsewhere). The answer is the node's.
+- ``GET /volumes``: every live node's list, merged (``x-aenv-unreachable-nodes`` names
+  those that did not answer).
+- ``GET``/``DELETE /volumes/{id}``: to its node; 404 when no node published it; 503 when
+  its node is gone (the volume is there, unreachable).
+- ``/volumecontent/{id}/...`` (the SDKs' ``E2B_VOLUME_API_URL``): streamed both ways to its
+  node, before the gateway's API-key check (these calls carry the volume's own bearer
+  token, which the node checks); no body limit here, the volume's size bounds uploads
+  there. A volume no node published answers 401, as a node answers an unknown one. Error
+  bodies carry a string ``code``, as the content API's do.
+- A sandbox create with ``volumeMounts`` (names) goes to the node of its volumes, whose own
+  admission decides (``mounts_node``): 400 for a name no node holds (what a node answers)
+  or volumes of two nodes, which no sandbox can mount together.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import httpx
+from redis.exceptions import RedisError
+from starlette.types import Receive, Scope, Send
+
+from .registry import NodeStatus
+from .scheduling import candidates
+
+if TYPE_CHECKING:
+    from .gateway import Gateway, Reply
+
+CONTENT_PREFIX = "/volumecontent/"
+# The SDKs give a volume's file calls an hour; a stream's bytes may pause that long too.
+CONTENT_TIMEOUT_S = 3600.0
+CREATE_TIMEOUT_S = 120.0
+_HOP = {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
+        b"trailer", b"transfer-encoding", b"upgrade", b"host", b"x-api-key",
+        b"x-aenv-cluster-secret"}
+_OUT_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"trailer", b"upgrade"}
+
+
+def is_volume_call(path: str) -> bool:
+    return path == "/volumes" or path.startswith("/volumes/")
+
+
+def _names(body: bytes) -> list[str]:
+    """The volume names of a create's ``volumeMounts`` (the node validates the rest)."""
+    try:
+        mounts = json.loads(body).get("volumeMounts") if body else None
+    except (ValueError, AttributeError):
+        return []
+    if not isinstance(mounts, list):
+        return []
+    return sorted({m["name"] for m in mounts
+                   if isinstance(m, dict) and isinstance(m.get("name"), str)})
+
+
+class VolumeRoutes:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+        self.registry = gateway.registry
+
+    async def _node(self, volume_id: str) -> NodeStatus | None:
+        home = await self.registry.volume_node(volume_id)
+        return await self.registry.node(home) if home else None
+
+    # -- REST
+
+    async def rest(self, scope: Scope, body: bytes) -> Reply:
+        from .gateway import CALL_TIMEOUT_S, Reply
+
+        method, path = scope["method"], scope["path"]
+        if path.rstrip("/") == "/volumes":
+            if method == "POST":
+                return await self._create(scope, body)
+            if method == "GET":
+                return await self.gw._merged(scope, "volumeID")
+            return Reply.error(405, f"{method} is not allowed on /volumes")
+        volume_id = path[len("/volumes/"):].strip("/")
+        node = await self._node(volume_id)
+        if node is None:
+            return Reply.error(404, f"Volume {volume_id} not found")
+        if not node.alive:
+            return Reply.error(503, f"the node of volume {volume_id} ({node.record.node_id}) "
+                               "is unreachable")
+        try:
+            return await self.gw._call(self.gw._request(node, scope, body), CALL_TIMEOUT_S)
+        except httpx.HTTPError as e:
+            return Reply.error(502, f"the node of volume {volume_id} did not answer: {e}")
+
+    async def _create(self, scope: Scope, body: bytes) -> Reply:
+        from .gateway import Reply, _field
+
+        name = _field(body, "name")
+        token = secrets.token_hex(8)
+        if name is not None:
+            if await self.registry.volume_name_node(name) is not None:
+                return Reply.error(409, f"a volume named '{name}' already exists")
+            if not await self.registry.claim_volume_name(name, token, CREATE_TIMEOUT_S + 10):
+                return Reply.error(409, f"a volume named '{name}' is being created")
+        try:
+            nodes = await self.registry.nodes()
+            order = candidates(nodes, self.gw.in_flight, queue=True) or \
+                [n for n in nodes if n.status == "ready"]
+            last: Reply | None = None
+            for node in order:
+                request = self.gw._request(node, scope, body)
+                try:
+                    reply = await self.gw._call(request, CREATE_TIMEOUT_S)
+                except httpx.ConnectError:
+                    continue  # never reached the node: nothing was made there
+                except httpx.HTTPError as e:
+                    return Reply.error(502, f"node {node.record.node_id} did not answer the "
+                                       f"volume create: {e}")
+                if reply.status in (429, 503):
+                    last = reply
+                    continue
+                return reply
+            return last or Reply.error(503, "no node of the cluster is ready for a volume")
+        finally:
+            if name is not None:
+                await self.registry.release_volume_name(name, token)
+
+    async def mounts_node(self, body: bytes) -> str | Reply | None:
+        """The node a create's volumes live on (None: it mounts none), or the answer that
+        refuses it."""
+        from .gateway import Reply
+
+        names = _names(body)
+        if not names:
+            return None
+        homes = {n: await self.registry.volume_name_node(n) for n in names}
+        missing = [n for n, home in homes.items() if home is None]
+        if missing:
+            return Reply.error(400, f"volume '{missing[0]}' does not exist")
+        where = sorted(set(homes.values()), key=str)
+        if len(where) > 1:
+            said = ", ".join(f"{n} on node {h}" for n, h in homes.items())
+            return Reply.error(400, f"the volumes live on different nodes ({said}): a sandbox "
+                               "mounts volumes of one node only")
+        return where[0]
+
+    # -- content (streamed, the volume's token)
+
+    async def content(self, scope: Scope, receive: Receive, send: Send) -> None:
+        volume_id = scope["path"][len(CONTENT_PREFIX):].split("/", 1)[0]
+        try:
+            node = await self._node(volume_id)
+        except (RedisError, OSError):
+            return await _error(send, 503, "unavailable",
+                                "the cluster's registry (Redis) is unreachable")
+        if node is None:
+            return await _error(send, 401, "unauthorized", "missing or invalid volume token")
+        if not node.alive:
+            return await _error(send, 503, "unavailable", f"the node of volume {volume_id} "
+                                f"({node.record.node_id}) is unreachable")
+        headers = [(k, v) for k, v in scope["headers"] if k not in _HOP]
+        has_body = scope["method"] in ("PUT", "POST", "PATCH")
+
+        async def chunks() -> AsyncIterator[bytes]:
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    return
+                yield msg.get("body", b"")
+                if not msg.get("more_body", False):
+                    return
+
+        request = self.gw.http.build_request(
+            scope["method"], httpx.URL(node.record.url + scope["path"],
+                                       query=scope.get("query_string") or None),
+            headers=headers, content=chunks() if has_body else None)
+        request.extensions["timeout"] = httpx.Timeout(
+            CONTENT_TIMEOUT_S, connect=2.0).as_dict()
+        try:
+            response = await self.gw.http.send(request, stream=True)
+        except httpx.HTTPError as e:
+            return await _error(send, 502, "bad_gateway",
+                                f"the node of volume {volume_id} did not answer: {e}")
+        try:
+            out = [(k, v) for k, v in response.headers.raw if k.lower() not in _OUT_HOP]
+            await send({"type": "http.response.start", "status": response.status_code,
+                        "headers": out})
+            async for chunk in response.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            await response.aclose()
+
+
+async def _error(send: Send, status: int, code: str, message: str) -> None:
+    body = json.dumps({"code": code, "message": message}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def content_first(app: Any, routes: VolumeRoutes) -> Any:
+    """``app`` (the gateway's REST, behind its key check) with the content API's paths
+    taken before it."""
+
+    async def front(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(CONTENT_PREFIX):
+            await routes.content(scope, receive, send)
+        else:
+            await app(scope, receive, send)
+
+    return front
