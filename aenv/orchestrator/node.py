@@ -275,11 +275,26 @@ class NodeMachines:
             return False
 
     async def start(self, rec: SandboxRecord, template: TemplateRecord) -> Placement:
+        """Boot or restore ``rec``'s VM, mount its volumes, and then, on a cold boot of a
+        template that has one, run the template's start command: after the mounts, so that
+        it finds them. (A template restored from its snapshot has run its start command
+        since its build, as in E2B: that process finds a volume once it is mounted, which
+        is before the create answers.)"""
         placement = await self._start_vm(rec, template)
         if rec.volume_mounts:
             await self._mount_volumes(rec, template, placement)
         elif rec.client_id == TEMPLATE_CLIENT:
             await self._init_volumes(rec, template, placement, [], modules=True)
+        running = self._running.get(rec.id)
+        if template.start_cmd and running is not None and running.disk is not None:
+            envd = EnvdClient(f"http://{placement.host_ip}:{ENVD_PORT}", rec.envd_token)
+            try:
+                await self._start_command(envd, template)
+            except BaseException:
+                await self.stop(rec)
+                raise
+            finally:
+                await envd.aclose()
         return placement
 
     async def _mount_volumes(self, rec: SandboxRecord, template: TemplateRecord,
@@ -499,8 +514,8 @@ class NodeMachines:
         """Hand the guest its identity. After a restore the clock is as old as the snapshot
         and the RNG state is shared with every other restore of it: /init fixes both, and
         the token inside the snapshot authorises handing over this sandbox's. With ``vm``
-        (a restore) this also waits for envd to accept. A cold boot then runs the
-        template's start command."""
+        (a restore) this also waits for envd to accept. (A cold boot's start command runs
+        later, after the volume mounts: ``start``.)"""
         envd = EnvdClient(url)
         try:
             await envd.init(access_token=rec.envd_token, env_vars=rec.env_vars,
@@ -510,8 +525,6 @@ class NodeMachines:
                             entropy=os.urandom(64), ca_bundle=self.egress_ca,
                             wait=ENVD_READY_TIMEOUT_S if vm else 0.0,
                             alive=vm.is_alive if vm else None)
-            if not restored and template.start_cmd:
-                await self._start_command(envd, template)
         finally:
             await envd.aclose()
 
