@@ -1,0 +1,193 @@
+"""Volumes and secrets in a cluster, end to end: two real ``aenv server`` nodes (microVMs,
+their own prefixes aenvcv1/aenvcv2 and nets 165/167), one ``aenv gateway``, a real
+redis-server, and the unmodified E2B Python SDK pointed at the gateway only
+(``E2B_API_URL``, ``E2B_SANDBOX_URL`` and ``E2B_VOLUME_API_URL``).
+
+Shown: a volume made through the gateway is written and read through the gateway's content
+API, a sandbox that mounts it is placed on the volume's node whichever node is emptier,
+reads what the API wrote and writes what the API reads; a volume made on the other node
+pins its sandbox there; volumes of two nodes are refused together. A secret made through
+the gateway fills the header transform of a sandbox on each node (an "internet" namespace
+with an HTTP server that records headers, ``tests/network/egress_world``), and an update
+applies to the next request. At the end every sandbox is killed, the nodes, the gateway
+and Redis stop, and the module fails if a namespace, nft table or VMM process of either
+prefix is left (``tests.server.conftest.serving``); the internet namespace is removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import redis
+from e2b import Sandbox, Secret, Volume
+
+from tests.cluster.redis_server import RedisServer, running_redis
+from tests.cluster.test_cluster_e2e import GATEWAY_KEY, SECRET, gateway
+from tests.network.egress_world import Internet
+from tests.server.conftest import ServerProcess, serving
+
+pytestmark = [pytest.mark.vm, pytest.mark.net, pytest.mark.timeout(1200)]
+
+INET_IP = "10.169.3.2"
+TOKEN = "cluster-s3cret-7d1"
+REQUEST = f"""\
+import socket, sys
+s = socket.create_connection(("{INET_IP}", 80), timeout=10)
+s.sendall(("GET / HTTP/1.1\\r\\nHost: %s\\r\\n\\r\\n" % sys.argv[1]).encode())
+out = b""
+while chunk := s.recv(65536):
+    out += chunk
+print(out.decode(errors="replace"))
+"""
+
+
+@dataclass
+class Cluster:
+    redis: RedisServer
+    nodes: dict[str, ServerProcess]
+    gateway_url: str
+    inet: Internet
+
+    def api(self) -> httpx.Client:
+        return httpx.Client(base_url=self.gateway_url, headers={"X-API-KEY": GATEWAY_KEY},
+                            timeout=120)
+
+    def _index(self, key: str, field: str) -> str | None:
+        with redis.Redis.from_url(self.redis.url(2), decode_responses=True) as r:
+            node: str | None = r.hget(key, field)  # type: ignore[assignment]
+            return node
+
+    def node_of(self, sandbox_id: str) -> str | None:
+        return self._index("aenv:sandboxes", sandbox_id)
+
+    def node_of_volume(self, volume_id: str) -> str | None:
+        return self._index("aenv:volumes", volume_id)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    root = tmp_path_factory.mktemp("cluster-volumes")
+    with contextlib.ExitStack() as stack:
+        inet = Internet(root, "aecv-inet", "aecv-j", "10.169.3.1", INET_IP)
+        stack.callback(inet.close)
+        redis_srv = stack.enter_context(running_redis(root / "redis"))
+        nodes: dict[str, ServerProcess] = {}
+        for node_id, prefix, net in (("v1", "aenvcv1", 165), ("v2", "aenvcv2", 167)):
+            srv = ServerProcess(root / node_id, prefix=prefix, net=net)
+            srv.env.update({"AENV_CLUSTER": redis_srv.url(2), "AENV_NODE_ID": node_id,
+                            "AENV_ADVERTISE_URL": srv.url, "AENV_CLUSTER_SECRET": SECRET,
+                            "AENV_EGRESS_HOSTS": str(inet.hosts),
+                            "AENV_EGRESS_UPSTREAM_CA": str(inet.ca_file)})
+            nodes[node_id] = srv
+            stack.callback(srv.stop)  # even when the other one's start fails first
+        pool = stack.enter_context(ThreadPoolExecutor(2))
+        started = {i: pool.submit(srv.start) for i, srv in nodes.items()}
+        for i, srv in nodes.items():
+            srv.start = started[i].result  # type: ignore[method-assign]  # serving() waits
+            stack.enter_context(serving(srv))
+            del srv.start
+        url = stack.enter_context(gateway(redis_srv, root / "gateway"))
+        with pytest.MonkeyPatch.context() as mp:
+            for var in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_VOLUME_API_URL"):
+                mp.setenv(var, url)
+            mp.setenv("E2B_API_KEY", GATEWAY_KEY)
+            mp.delenv("E2B_DOMAIN", raising=False)
+            yield Cluster(redis_srv, nodes, url, inet)
+
+
+def _run(sbx: Sandbox, cmd: str) -> str:
+    return sbx.commands.run(cmd, timeout=120).stdout
+
+
+def test_a_volume_made_through_the_gateway_is_mounted_on_its_node(cluster: Cluster) -> None:
+    vol = Volume.create("cv-data")
+    home = cluster.node_of_volume(vol.volume_id)
+    assert home in ("v1", "v2")
+    other = "v2" if home == "v1" else "v1"
+    sandboxes: list[Sandbox] = []
+    theirs = busy = None
+    try:
+        vol.write_file("/hello.txt", "through the gateway\n")
+        assert vol.read_file("/hello.txt") == "through the gateway\n"
+        assert [e.name for e in vol.list("/")] == ["hello.txt"]
+        assert any(v.volume_id == vol.volume_id for v in Volume.list())
+        # the volume's node is made the fuller one (a sandbox made on it directly): the
+        # create that mounts the volume goes there all the same
+        with httpx.Client(base_url=cluster.nodes[home].url, timeout=120,
+                          headers={"X-API-KEY": cluster.nodes[home].api_key}) as node:
+            r = node.post("/v2/sandboxes", json={"templateID": "base", "timeout": 300})
+            assert r.status_code == 201, r.text
+            busy = r.json()["sandboxID"]
+        assert cluster.node_of(busy) == home
+        a = Sandbox.create("base", timeout=300, volume_mounts={"/data": vol})
+        sandboxes.append(a)
+        assert cluster.node_of(a.sandbox_id) == home
+        assert _run(a, "cat /data/hello.txt") == "through the gateway\n"
+        _run(a, "echo from-the-guest > /data/guest.txt")
+        assert vol.read_file("/guest.txt") == "from-the-guest\n"
+        assert [m["name"] for m in a.get_info().volume_mounts] == ["cv-data"]
+
+        # a volume made on the other node (its own API) pins its sandboxes there
+        with httpx.Client(base_url=cluster.nodes[other].url, timeout=120,
+                          headers={"X-API-KEY": cluster.nodes[other].api_key}) as node:
+            r = node.post("/volumes", json={"name": "cv-theirs"})
+            assert r.status_code == 201, r.text
+            theirs = r.json()["volumeID"]
+        assert cluster.node_of_volume(theirs) == other
+        b = Sandbox.create("base", timeout=300, volume_mounts={"/t": "cv-theirs"})
+        sandboxes.append(b)
+        assert cluster.node_of(b.sandbox_id) == other
+        assert _run(b, "ls -A /t") == ""
+        with cluster.api() as c:
+            r = c.post("/v2/sandboxes", json={"templateID": "base", "volumeMounts": [
+                {"name": "cv-data", "path": "/d"}, {"name": "cv-theirs", "path": "/t"}]})
+            assert r.status_code == 400 and "different nodes" in r.json()["message"]
+            assert c.post("/volumes", json={"name": "cv-theirs"}).status_code == 409
+    finally:
+        for s in sandboxes:
+            s.kill()
+        if busy is not None:
+            Sandbox.kill(busy)
+    assert Volume.destroy(vol.volume_id)
+    assert not Volume.destroy(vol.volume_id)
+    assert cluster.node_of_volume(vol.volume_id) is None
+    if theirs is not None:
+        assert Volume.destroy(theirs)
+
+
+def test_a_secret_made_through_the_gateway_fills_transforms_on_every_node(
+        cluster: Cluster) -> None:
+    Secret.create("CV-Token", TOKEN)
+    network = {"allow_out": ["plain.aes.test"], "rules": {"plain.aes.test": [
+        {"transform": {"headers": {"X-Key": Secret.fill("cv-token")}}}]}}
+    sandboxes: list[Sandbox] = []
+    try:
+        for _ in range(4):   # creates go to the emptier node: one on each
+            sandboxes.append(Sandbox.create("base", timeout=300, network=network))
+            if {cluster.node_of(s.sandbox_id) for s in sandboxes} == {"v1", "v2"}:
+                break
+        placed = {cluster.node_of(s.sandbox_id): s for s in sandboxes}
+        assert set(placed) == {"v1", "v2"}
+        for node, sbx in sorted(placed.items()):
+            sbx.files.write("/tmp/req.py", REQUEST)
+            out = _run(sbx, "python3 /tmp/req.py plain.aes.test")
+            assert "ok plain.aes.test" in out, (node, out)
+            assert cluster.inet.http.seen[-1]["x-key"] == TOKEN, node
+            assert TOKEN not in out
+        Secret.update("cv-token", "rotated")
+        for node, sbx in sorted(placed.items()):
+            _run(sbx, "python3 /tmp/req.py plain.aes.test")
+            assert cluster.inet.http.seen[-1]["x-key"] == "rotated", node
+        # every node serves the cluster's secrets, none in its own database
+        for srv in cluster.nodes.values():
+            with httpx.Client(base_url=srv.url, headers={"X-API-KEY": srv.api_key}) as c:
+                assert c.get("/secrets/cv-token").json()["currentVersion"] == 2
+    finally:
+        for s in sandboxes:
+            s.kill()
+        Secret.destroy("cv-token")
