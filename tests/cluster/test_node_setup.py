@@ -189,3 +189,38 @@ async def test_the_taken_check_is_read_at_most_every_few_seconds_but_afresh_to_p
     finally:
         await agent.registry.close()
         db.close()
+
+
+async def test_a_paused_sandbox_with_volumes_is_not_offered_to_other_nodes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its volumes live on this node only: no requirements are published for it, so no
+    gateway resumes it elsewhere (nor by traffic, whatever its autoResume)."""
+    from types import SimpleNamespace
+
+    from aenv.cluster.node_setup import node_agent
+    from aenv.storage.shared_store import SharedStore
+    from aenv.store import Database, SandboxRecord, SandboxState, SandboxStore
+
+    s = Settings.from_env({"AENV_HOME": str(tmp_path / "home"), "AENV_CLUSTER":
+                           "redis://127.0.0.1:1/0", "AENV_CLUSTER_SECRET": "x" * 32,
+                           "AENV_NODE_ID": "a", "AENV_ADVERTISE_URL": "http://127.0.0.1:9",
+                           "AENV_SHARED_STORE": str(tmp_path / "shared")})
+    monkeypatch.setattr(SharedStore, "bundle",
+                        lambda self, ref: SimpleNamespace(requires={"driver": "qemu"}))
+    db = Database(tmp_path / "db.sqlite")
+    sandboxes = SandboxStore(db)
+    mounts = [{"name": "data", "path": "/data", "volumeID": "vol_1"}]
+    for sid, volume_mounts in (("plain", None), ("with-volume", mounts)):
+        sandboxes.insert(SandboxRecord(
+            id=sid, template_id="base", state=SandboxState.PAUSED, client_id="c",
+            started_at=1.0, end_at=2.0, cpu_count=1, memory_mb=512, disk_size_mb=2048,
+            snapshot_id=f"snapshot:{sid}", auto_resume=True, volume_mounts=volume_mounts))
+    agent = node_agent(s, sandboxes, volumes=lambda: {"vol_1": "data"})
+    try:
+        entries = {e.sandbox_id: e for e in agent.fresh_index()}  # type: ignore[misc]
+        assert entries["plain"].requires and entries["plain"].auto_resume
+        assert entries["with-volume"].requires == "" and not entries["with-volume"].auto_resume
+        assert agent.volumes is not None and agent.volumes() == {"vol_1": "data"}
+    finally:
+        await agent.registry.close()
+        db.close()
