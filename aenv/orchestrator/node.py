@@ -43,6 +43,7 @@ from ..runtime import (
     get_runtime,
 )
 from ..runtime import workdir as wd
+from ..runtime.compaction import Compactor
 from ..runtime.ready import boot_until_ready
 from ..runtime.vmm_pool import Pooled, VMMPool
 from ..storage import disk_layers, disks, shared_store, snapshot_store, volume_server
@@ -147,6 +148,9 @@ class NodeMachines:
         # Snapshot writes and garbage collection never overlap (a half-written snapshot
         # is not yet anyone's root).
         self._snapshot_lock = asyncio.Lock()
+        # Chains that grew too deep are compacted after the capture returned, not on its
+        # request's path (``aenv.runtime.compaction``).
+        self.compactor = Compactor(self.runtime, self._snapshot_lock)
         self._console_task: asyncio.Task[None] | None = None
         # In a cluster with a shared store: pauses and snapshots are published there, and
         # a snapshot this node lacks is fetched from there (``aenv.storage.shared_store``);
@@ -185,6 +189,8 @@ class NodeMachines:
         await asyncio.to_thread(self.pool.start, keep_slots)
         if self.vmm_pool is not None:
             self.vmm_pool.start()
+        # What a stopped server left half-compacted (or never compacted) is finished.
+        self.compactor.recover(self.settings.snapshots_dir)
         self._console_task = asyncio.create_task(self._bound_consoles(), name="aenv-consoles")
 
     def resources(self) -> NodeResources:
@@ -203,6 +209,7 @@ class NodeMachines:
         """Stop watching; running VMs keep running (a restart re-attaches them)."""
         if self._console_task is not None:
             self._console_task.cancel()
+        await self.compactor.close()
         for r in self._running.values():
             await r.vm.detach()
         if self.vmm_pool is not None:  # pooled VMMs are no sandbox's: they end here
@@ -635,6 +642,7 @@ class NodeMachines:
                      "memory, %d layers)", rec.id, directory.name, info.freeze_s * 1000,
                      info.total_s * 1000, info.memory_bytes // 1024, info.memory_layers,
                      extra={"sandbox_id": rec.id, "op": "pause", "duration": info.total_s})
+            self.compactor.schedule(directory)
         else:
             await self._pause_disk(rec, running, directory)
         self._running.pop(rec.id, None)
@@ -680,6 +688,7 @@ class NodeMachines:
             raise InvalidRequest(f"sandbox {rec.id} has no VM on this node")
         async with self._snapshot_lock:
             info = await running.vm.snapshot(self._snapshot_dir(ref), stop=False)
+        self.compactor.schedule(info.directory)
         log.info("sandbox %s: snapshot %s (freeze %.0f ms, total %.0f ms)", rec.id,
                  ref, info.freeze_s * 1000, info.total_s * 1000,
                  extra={"sandbox_id": rec.id, "op": "snapshot", "duration": info.total_s})

@@ -25,7 +25,8 @@ resume, fork and persistent snapshots on (every driver captures through the one 
 - A snapshot is a directory (layout: ``aenv.storage.snapshots``): device state, a memory
   layer, a layer per writable drive, and a manifest. It may reference files of the snapshot
   the VM was restored from (its parent); the chain is bounded by the driver, which
-  compacts it when it would grow deeper than its limit.
+  compacts it when it would grow deeper than its limit — within the capture, or after it
+  (``Runtime.prepare_compaction``, run in the background by ``aenv.runtime.compaction``).
 - ``VM.snapshot(dir, stop=True)`` is *pause*: the VMM is gone afterwards and the VM lives on
   only in ``dir`` (CPU and RAM released; the caller then removes the working directory and
   the slot). ``stop=False`` is a *persistent snapshot / fork capture*: the vCPUs are frozen
@@ -244,6 +245,33 @@ class SnapshotInfo:
     phases: dict[str, float] = field(default_factory=dict)
 
 
+class Compaction(abc.ABC):
+    """A snapshot's chains cut back, made off the capture (``Runtime.prepare_compaction``)
+    and put in place in two steps, each of which leaves the snapshot whole if the server
+    dies right after it (``aenv.runtime.compaction`` runs them):
+
+    - ``install``: the flattened files replace the snapshot's own (each an atomic rename
+      of a file already fsynced); from here new readers open the short chain, while the
+      manifest still names the old one, so nothing it depended on can be collected yet.
+      False when the snapshot went meanwhile (nothing was changed then).
+    - ``release``: the manifest stops naming the files the flattened ones no longer read,
+      so garbage collection may delete them. Run it a while after ``install``: a reader
+      that opened the old file just before the rename may still be opening its chain.
+    - ``discard``: drop what was made when it will not be installed.
+    """
+
+    directory: Path
+
+    @abc.abstractmethod
+    def install(self) -> bool: ...
+
+    @abc.abstractmethod
+    def release(self) -> None: ...
+
+    @abc.abstractmethod
+    def discard(self) -> None: ...
+
+
 # -- handles --------------------------------------------------------------------------------
 
 
@@ -345,6 +373,14 @@ class Runtime(abc.ABC):
     @abc.abstractmethod
     async def attach(self, workdir: Path) -> VM:
         """Re-attach to the live VMM of ``workdir`` (after a server restart)."""
+
+    def prepare_compaction(self, directory: Path) -> Compaction | None:
+        """When snapshot ``directory`` reads through a chain deeper than the driver keeps,
+        make its shorter form beside it (blocking; O(data in the chain)) and return the
+        steps that put it in place; None when there is nothing to do (or the directory is
+        no complete snapshot). Also removes what an interrupted compaction of it left. By
+        default a driver compacts inside its captures and returns None."""
+        return None
 
     def cleanup_leftovers(self, vms_dir: Path, keep: set[str]) -> dict[str, list[str]]:
         """Remove the host objects of VMs a crashed server left (their cgroups, their VMM

@@ -403,6 +403,9 @@ class QemuRuntime(Runtime):
     def cleanup_leftovers(self, vms_dir: Path, keep: set[str]) -> dict[str, list[str]]:
         return confine.cleanup_leftovers(self.confinement, vms_dir, keep)
 
+    def prepare_compaction(self, directory: Path) -> qemu_snapshot.QemuCompaction | None:
+        return qemu_snapshot.prepare_compaction(directory, self._max_chain)
+
     async def _connect_qmp(self, spec: VMSpec, process: VMMProcess) -> QMPClient:
         sock_path = spec.workdir / wd.QMP_SOCKET
         deadline = time.monotonic() + QMP_TIMEOUT

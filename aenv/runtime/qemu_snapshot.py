@@ -37,11 +37,18 @@ snapshot hard-links the frozen top into the snapshot and switches the VM onto a 
 (``blockdev-snapshot-sync`` onto a file created before the freeze), so the freeze holds no
 disk copy; a capture that fails after the switch commits the new overlay back into the
 old top (``block-commit``, the switch's undo), so the VM writes what its lineage names.
-A restore gets a new overlay over the snapshot's file. When the qcow2 chain would exceed
-``max_chain`` snapshot layers, the snapshot's file is flattened onto the chain's root image
-(copy of the top + qemu-img safe rebase: O(data written in the chain)), after the VM runs
-again. Writable raw drives (reflink hosts) are moved on pause and reflinked while
-frozen otherwise. Read-only drives are referenced, not copied.
+A restore gets a new overlay over the snapshot's file. When a snapshot's qcow2 chain is
+deeper than ``max_chain`` snapshot layers, its file is flattened onto the chain's root image
+(copy of the file + qemu-img safe rebase: O(data written in the chain)) *after* the capture
+returned, in the background (``prepare_compaction``, run by ``aenv.runtime.compaction``):
+the flattened copy is made and fsynced beside the file, renamed over it (``install``), and
+only a while later does the manifest stop naming the old chain (``release``), so that at
+every moment the directory restores and nothing it reads can be collected. A capture reads
+its parent's chain from the qcow2 headers, so a compaction installed but not yet released
+already shortens the next snapshot's chain. ``incremental=False`` still flattens within the
+capture (it promises a self-contained snapshot on return). Writable raw drives (reflink
+hosts) are moved on pause and reflinked while frozen otherwise. Read-only drives are
+referenced, not copied.
 
 Caveat: a restored VM keeps every page it wrote since its restore private, so each later
 snapshot re-reads (and compares, but does not re-write) all of them: its freeze grows with
@@ -83,6 +90,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from ..phase_timer import PhaseTimer
+from ..storage import durable
 from ..storage import snapshots as snap
 from ..storage.disks import DiskError, create_disk, reflink
 from ..storage.errors import StorageError
@@ -91,6 +99,7 @@ from . import machine_record, snapshot_recipe
 from . import workdir as wd
 from .base import (
     Accel,
+    Compaction,
     Drive,
     DriveFormat,
     MachineRecordError,
@@ -286,11 +295,14 @@ def _plan_drives(workdir: Path, machine: QemuMachine, lineage: Lineage,
         info = snap.image_info(p.top)
         if inherited is not None and inherited.file is not None:
             assert lineage.parent is not None
-            p.chain = (lineage.parent / inherited.file, *inherited.chain)
+            parent_file = lineage.parent / inherited.file
+            p.chain = (parent_file, *_chain_between(parent_file, inherited.root,
+                                                    inherited.chain))
             p.root, p.root_format = inherited.root, inherited.root_format
         else:
             p.root, p.root_format = info.backing, info.backing_format
-        p.flatten = not incremental or len(p.chain) + 1 > max_chain
+        # Deeper than max_chain: compacted after the capture (prepare_compaction).
+        p.flatten = not incremental
         if not stop:
             p.new_top = f"{p.id}.{lineage.generation + 1}.qcow2"
             new = workdir / p.new_top
@@ -299,6 +311,26 @@ def _plan_drives(workdir: Path, machine: QemuMachine, lineage: Lineage,
             jail.give(new)  # QEMU opens it after it dropped root
         plans.append(p)
     return plans
+
+
+def _chain_between(image: Path, root: Path | None,
+                   recorded: tuple[Path, ...]) -> tuple[Path, ...]:
+    """The files ``image`` reads through above ``root``, nearest first, as the qcow2 headers
+    say (a compaction installed but not yet released left the manifest's ``recorded`` chain
+    longer than the truth); ``recorded`` when the headers do not lead to ``root``."""
+    out: list[Path] = []
+    current = image
+    for _ in range(len(recorded) + 1):
+        info = snap.qcow2_info(current)
+        if info is None:
+            return recorded
+        if info.backing == root:
+            return tuple(out)
+        if info.backing is None:
+            return recorded
+        out.append(info.backing)
+        current = info.backing
+    return recorded
 
 
 @dataclass
@@ -538,9 +570,10 @@ class QemuCapture(CaptureSteps):
     """``QemuVM.snapshot`` as the steps of ``aenv.runtime.snapshot_recipe`` (what each one
     does to memory and drives: the module docstring). ``phases``: the recipe's steps, and
     finer ones within them: ``memory_scan``, ``memory_prepare`` and ``memory_copy`` (of
-    ``save_memory``, for a restored VM) and ``commit_compact`` (the chain compaction after
-    the thaw). A pause (``stop``) stays frozen from ``freeze`` until its VMM quits in
-    ``finish``; ``freeze_s`` counts until the capture was complete (``thaw``)."""
+    ``save_memory``, for a restored VM) and ``commit_compact`` (flattening the drives of a
+    full snapshot, after the thaw). A pause (``stop``) stays frozen from ``freeze`` until
+    its VMM quits in ``finish``; ``freeze_s`` counts until the capture was complete
+    (``thaw``)."""
 
     def __init__(self, vm: QemuVM, max_chain: int) -> None:
         self.vm = vm
@@ -620,8 +653,9 @@ class QemuCapture(CaptureSteps):
             c.undo.drop("the freeze")
 
     async def commit(self, c: Capture) -> Captured:
-        """Compact the drive chains that grew too deep (off the freeze: O(data in the
-        chain)), then the manifest and ``snapshots.commit``."""
+        """Flatten the drives of a full (``incremental=False``) snapshot (off the freeze:
+        O(data in the chain)), then the manifest and ``snapshots.commit``. Chains that grew
+        too deep are compacted later, in the background (``prepare_compaction``)."""
         compacting = PhaseTimer()
         for p in self.plans:
             if p.flatten:
@@ -772,3 +806,88 @@ def apply_memory(pid: int, plan: RestorePlan) -> int:
             finally:
                 os.close(fd)
     return written
+
+
+# -- compaction (after the capture) -------------------------------------------------------------
+
+COMPACTING = ".compacting"  # the flattened copy of a drive file, beside it, until installed
+
+
+@dataclass(frozen=True)
+class _FlatDrive:
+    id: str
+    file: Path  # the snapshot's drive file
+    flat: Path | None  # its flattened copy, fsynced; None: the file is flat already
+    root: Path | None
+
+
+class QemuCompaction(Compaction):
+    """``prepare_compaction``'s result (the steps: ``aenv.runtime.base.Compaction``)."""
+
+    def __init__(self, directory: Path, drives: tuple[_FlatDrive, ...]) -> None:
+        self.directory = directory
+        self.drives = drives
+
+    def install(self) -> bool:
+        if not (self.directory / snap.MANIFEST).is_file():  # collected meanwhile
+            self.discard()
+            return False
+        for d in self.drives:
+            if d.flat is not None:
+                os.replace(d.flat, d.file)
+        durable.fsync_dir(self.directory)
+        return True
+
+    def release(self) -> None:
+        try:
+            manifest = snap.read_manifest(self.directory)
+        except StorageError:
+            return  # collected meanwhile
+        flat = {d.id for d in self.drives
+                if (info := snap.qcow2_info(d.file)) is not None and info.backing == d.root}
+        drives = tuple(dataclasses.replace(d, chain=()) if d.id in flat else d
+                       for d in manifest.drives)
+        if drives != manifest.drives:
+            snap.rewrite_manifest(self.directory, dataclasses.replace(manifest, drives=drives))
+
+    def discard(self) -> None:
+        for d in self.drives:
+            if d.flat is not None:
+                d.flat.unlink(missing_ok=True)
+
+
+def prepare_compaction(directory: Path, max_chain: int) -> QemuCompaction | None:
+    """``QemuRuntime.prepare_compaction``: each qcow2 drive of snapshot ``directory`` whose
+    file reads through more than ``max_chain`` - 1 other snapshots' files is flattened onto
+    its root into ``.<file>.compacting`` (made from a copy: the file may be a running VM's
+    backing) and fsynced. A drive whose file is already flat (a compaction installed but
+    not released when the server stopped) needs only the release."""
+    try:
+        manifest = snap.read_manifest(directory)
+    except StorageError:
+        return None
+    if manifest.driver != DRIVER:
+        return None
+    drives: list[_FlatDrive] = []
+    try:
+        for d in manifest.drives:
+            if d.read_only or d.format != "qcow2" or d.file is None or not d.chain:
+                continue
+            path = directory / d.file
+            flat = path.with_name(f".{d.file}{COMPACTING}")
+            flat.unlink(missing_ok=True)  # an interrupted compaction's
+            if len(d.chain) + 1 <= max_chain:
+                continue
+            info = snap.qcow2_info(path)
+            if info is not None and info.backing == d.root:
+                drives.append(_FlatDrive(d.id, path, None, d.root))
+                continue
+            drives.append(_FlatDrive(d.id, path, flat, d.root))
+            snap.copy_sparse(path, flat)
+            os.chmod(flat, path.stat().st_mode & 0o777)
+            snap.flatten_onto(flat, d.root, d.root_format)
+            durable.fsync_file(flat)
+    except BaseException:
+        QemuCompaction(directory, tuple(drives)).discard()
+        raise
+    return QemuCompaction(directory, tuple(drives)) if drives else None

@@ -443,6 +443,14 @@ class SharedStore:
         own = [f for f in bundle.files if f.path.startswith(prefix)]
         if not all((self.root / BLOBS / f.digest).is_file() for f in own):
             return None
+        # A background compaction (``aenv.runtime.compaction``) replaces a drive file and
+        # then the manifest after the publication: the old file reads through a chain the
+        # new closure no longer carries. The manifests (a few KiB) tell.
+        local = Path(roots["snapshots"]) / snapshot_id
+        for f in own:
+            if f.path.endswith(".json") and not _same_digest(local / f.path[len(prefix):],
+                                                             f.digest):
+                return None
         return own or None
 
     def unpublish(self, snapshot_id: str) -> None:
@@ -557,6 +565,13 @@ class SharedStore:
             for tmp, _ in staged:
                 tmp.unlink(missing_ok=True)
             raise
+
+
+def _same_digest(path: Path, expected: str) -> bool:
+    try:
+        return digest(path) == expected
+    except OSError:
+        return False
 
 
 def _layer_sidecars(layer: Path) -> list[Path]:
