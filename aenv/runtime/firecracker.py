@@ -224,6 +224,10 @@ class FirecrackerPrestarted:
     def is_alive(self) -> bool:
         return self.vm.is_alive()
 
+    @property
+    def returncode(self) -> int | None:
+        return self.vm.returncode
+
 
 def _restore_error(e: BaseException, snapshot_dir: Path, vm_id: str) -> BaseException:
     """What a failed restore step raises: ``SnapshotError`` (the cause chained), or the
@@ -278,6 +282,11 @@ class FirecrackerVM(VM):
 
     def is_alive(self) -> bool:
         return self._process.is_alive()
+
+    @property
+    def returncode(self) -> int | None:
+        """Firecracker's exit status once it has exited (None while it runs, or adopted)."""
+        return self._process.returncode
 
     async def _call(self, request: fc.Request, *, timeout: float | None = None) -> Any:
         if not self._process.is_alive():

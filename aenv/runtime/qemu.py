@@ -148,6 +148,10 @@ class Prestarted:
     def is_alive(self) -> bool:
         return self.process.is_alive()
 
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
+
 
 def _restore_error(e: BaseException, snapshot_dir: Path, spec: VMSpec) -> BaseException:
     """What a failed restore step raises: a ``SnapshotError`` with the VMM's log tail, or

@@ -23,8 +23,10 @@ with ``want_once``: one VMM, made only with the memory the templates' targets le
 kept until taken or until its time is up.
 
 A pooled VMM that died is discarded when found (the create falls back to an ordinary
-restore); pooled VMMs of a snapshot that is gone (template deleted and collected) are
-discarded by ``prune``; ``close`` ends them all and gives their slots back. A server that
+restore), and logged with how it ended (exit status or signal, how long after it was
+made) and the tail of its log (``workdir.VMM_LOG``: QEMU's stderr), read before its
+working directory goes; pooled VMMs of a snapshot that is gone (template deleted and
+collected) are discarded by ``prune``; ``close`` ends them all and gives their slots back. A server that
 crashed leaves them running: ``sweep`` kills the VMM of every pool working directory
 (``PREFIX``) before the node removes leftover directories and slots.
 
@@ -39,6 +41,7 @@ import collections
 import contextlib
 import logging
 import secrets
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -56,6 +59,7 @@ PREFIX = "vp"  # working directories of pooled VMMs: <vms_dir>/vp<hex>
 _RETRY_AFTER_FAILURE_S = 2.0
 _CLOSE_WAIT_S = 30.0  # close waits this long for the filler's step under way
 _WAIT_FOR_MAKING_S = 2.0  # a one-shot take waits this long for its VMM being made
+_DEATH_LOG_LINES = 10  # lines of a dead pooled VMM's log that are logged
 
 
 class _Unwanted(VMError):
@@ -72,6 +76,12 @@ class PrestartedVMM(Protocol):
     def workdir(self) -> Path: ...
 
     def is_alive(self) -> bool: ...
+
+    @property
+    def returncode(self) -> int | None:
+        """The VMM's exit status once it has exited (negative: killed by that signal);
+        None while it runs or when unknown."""
+        ...
 
 
 P = TypeVar("P", bound=PrestartedVMM)
@@ -232,7 +242,7 @@ class VMMPool(Generic[S]):
                 self.stats["hits"] += 1
                 return entry
             self.stats["dead"] += 1
-            log.warning("pooled VMM %s of %s had exited; discarded", entry.pre.vm_id, key)
+            _log_death(entry)
             await self.discard(entry)
         self.stats["misses"] += 1
         return None
@@ -262,6 +272,9 @@ class VMMPool(Generic[S]):
             while queue:
                 entry = queue.popleft()
                 if gone or not entry.pre.is_alive():
+                    if not entry.pre.is_alive():
+                        self.stats["dead"] += 1
+                        _log_death(entry)
                     await self.discard(entry)
                     n += 1
                 else:
@@ -410,6 +423,29 @@ class VMMPool(Generic[S]):
         log.info("pre-started VMM %s of %s (%d waiting)", vm_id, key.name,
                  len(self._idle[key]))
         return entry
+
+
+def exit_description(code: int | None) -> str:
+    """An exit status as words: ``exit status 1``, ``killed by SIGKILL``."""
+    if code is None:
+        return "exit status unknown"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+def _log_death(entry: Pooled[Any]) -> None:
+    """Log a pooled VMM found dead: how it ended, when, and its log's tail (its working
+    directory, log included, is removed by the discard that follows)."""
+    tail = wd.tail(entry.workdir / wd.VMM_LOG, lines=_DEATH_LOG_LINES).strip()
+    log.warning("pooled VMM %s of %s had exited (%s, %.0f ms after it was pre-started); "
+                "discarded; its log ends: %s", entry.pre.vm_id, entry.key.name,
+                exit_description(entry.pre.returncode),
+                (time.monotonic() - entry.made_at) * 1000, tail or "(empty)",
+                extra={"vm_id": entry.pre.vm_id, "op": "vmm_pool", "phase": "dead"})
 
 
 _SIZES: dict[Path, int] = {}  # snapshot -> guest MiB (a snapshot never changes)
