@@ -26,8 +26,8 @@ A pooled VMM that died is discarded when found (the create falls back to an ordi
 restore), and logged with how it ended (exit status or signal, how long after it was
 made) and the tail of its log (``workdir.VMM_LOG``: QEMU's stderr), read before its
 working directory goes; pooled VMMs of a snapshot that is gone (template deleted and
-collected) are discarded by ``prune``; ``close`` ends them all and gives their slots back. A server that
-crashed leaves them running: ``sweep`` kills the VMM of every pool working directory
+collected) are discarded by ``prune``; ``close`` ends them all and gives their slots
+back. A server that crashed leaves them running: ``sweep`` kills the VMM of every pool working directory
 (``PREFIX``) before the node removes leftover directories and slots.
 
 VMM-neutral: the driver implements ``Prestarting`` (the QEMU driver does; the Firecracker
