@@ -27,8 +27,8 @@ restore), and logged with how it ended (exit status or signal, how long after it
 made) and the tail of its log (``workdir.VMM_LOG``: QEMU's stderr), read before its
 working directory goes; pooled VMMs of a snapshot that is gone (template deleted and
 collected) are discarded by ``prune``; ``close`` ends them all and gives their slots
-back. A server that crashed leaves them running: ``sweep`` kills the VMM of every pool working directory
-(``PREFIX``) before the node removes leftover directories and slots.
+back. A server that crashed leaves them running: ``sweep`` kills the VMM of every pool
+working directory (``PREFIX``) before the node removes leftover directories and slots.
 
 VMM-neutral: the driver implements ``Prestarting`` (the QEMU driver does; the Firecracker
 one would with a process whose API socket is up, then ``PUT /snapshot/load``).
