@@ -118,6 +118,16 @@ class Envd:
         self.log.close()
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests on a ``server`` fixture are ``slow``: the session's aenv server below (a server
+    process with host-process sandboxes, one per xdist worker) or a module's own server
+    process (tests/interpreter's, with Jupyter kernels). Each costs seconds of processes
+    starting, so ``make test-fast`` leaves them to ``make test``."""
+    for item in items:
+        if "server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     """The session's aenv server with host-process sandboxes (tests/aenv_server.py),

@@ -17,7 +17,9 @@ from aenv.instance_lock import claim_instance
 from aenv.network import cleanup_leftovers
 from tests.conftest import free_port, run_server_to_end
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="aenv server needs root")
+# Each case starts an ``aenv server`` process (seconds of imports): left out of make test-fast.
+pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="aenv server needs root"),
+              pytest.mark.slow]
 
 PREFIX = "aenvst"  # its own name prefix: the prefix lock is host-wide
 

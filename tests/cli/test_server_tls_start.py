@@ -16,7 +16,9 @@ from aenv.network import cleanup_leftovers
 from aenv.tls import local_ca
 from tests.conftest import ROOT, free_port, stop_process
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="aenv server needs root")
+# Each case starts an ``aenv server`` process (seconds of imports): left out of make test-fast.
+pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="aenv server needs root"),
+              pytest.mark.slow]
 
 PREFIX = "aenvsx"  # its own name prefix: the prefix lock is host-wide
 

@@ -13,10 +13,13 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.cluster.redis_server import RedisServer
 from tests.cluster.test_cluster_e2e import GATEWAY_KEY, SECRET
 from tests.conftest import ROOT, free_port
+
+pytestmark = pytest.mark.slow  # each case starts gateway processes: left out of make test-fast
 
 
 def _env(home: Path) -> dict[str, str]:

@@ -397,6 +397,7 @@ def test_install_writes_the_gateway_unit_and_settings_without_enabling_them(tmp_
 
 # -- the gateway as all three run it --------------------------------------------------------
 
+@pytest.mark.slow  # a gateway process: seconds of imports and start-up
 def test_the_gateway_runs_writing_nothing(tmp_path: Path):
     """As the manifests run it (read-only root, a home it need not write: the key comes
     from AENV_API_KEY): it serves /health and leaves its home empty. (Not as uid 65534

@@ -283,6 +283,7 @@ def test_warm_up_runs_a_cell_and_leaves_no_trace(tmp_path: Path) -> None:
         s.stop()
 
 
+@pytest.mark.slow  # a server of its own: kernel start, ~5 s
 def test_stop_leaves_no_kernel(tmp_path: Path) -> None:
     s = Server(tmp_path)
     try:
