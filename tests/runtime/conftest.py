@@ -59,8 +59,9 @@ def rt_settings() -> Settings:
     )
 
 
-def _ours(settings: Settings) -> dict[str, list[str]]:
-    """Every host object of this suite that could leak, by kind."""
+def _ours(settings: Settings, tmp_root: str) -> dict[str, list[str]]:
+    """Every host object of this suite that could leak, by kind. ``tmp_root`` is the part of
+    a path that marks this run's temporary files (test_disks.py's XFS images)."""
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True,
                            check=False).stdout
     tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True,
@@ -84,8 +85,9 @@ def _ours(settings: Settings) -> dict[str, list[str]]:
         "links": [ln.split(":")[1].strip() for ln in links.splitlines() if PREFIX in ln],
         "nft tables": [t for t in tables.splitlines() if PREFIX in t],
         "mounts": [m for m in mounts.splitlines()
-                   if PREFIX in m or vms in m or ("pytest-of" in m and " xfs " in m)],
-        "loop devices": [ln for ln in loops.splitlines() if "pytest" in ln and "xfs.img" in ln],
+                   if PREFIX in m or vms in m or (tmp_root in m and " xfs " in m)],
+        "loop devices": [ln for ln in loops.splitlines()
+                         if tmp_root in ln and "xfs.img" in ln],
         "vmm processes": procs,
         "guest ram files": sorted(p.name for p in wd.SHM.glob(f"{PREFIX}-*")),
         "vm dirs": sorted(p.name for p in settings.vms_dir.glob(VM_PREFIX + "*"))
@@ -94,11 +96,16 @@ def _ours(settings: Settings) -> dict[str, list[str]]:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def leak_guard(rt_settings: Settings) -> Iterator[None]:
-    before = _ours(rt_settings)
+def leak_guard(rt_settings: Settings, tmp_path_factory: pytest.TempPathFactory,
+               worker_id: str) -> Iterator[None]:
+    # Under pytest-xdist (make test-fast) every worker runs this guard while the others'
+    # test_disks.py may hold an XFS image mounted; a worker looks only under its own
+    # temporary directory. The VM objects are left to make test, which runs one session.
+    tmp_root = "pytest-of" if worker_id == "master" else str(tmp_path_factory.getbasetemp())
+    before = _ours(rt_settings, tmp_root)
     assert not any(before.values()), f"leftovers of an earlier run: {before}"
     yield
-    after = _ours(rt_settings)
+    after = _ours(rt_settings, tmp_root)
     assert not any(after.values()), f"the runtime tests leaked: {after}"
 
 
