@@ -306,7 +306,9 @@ class Gateway:
         if path in _LISTS and method == "GET":
             return await self._list(scope)
         if m := _SANDBOX.match(path):
-            return await self._to_owner(scope, body, m.group(1))
+            reply = await self._to_owner(scope, body, m.group(1))
+            await self.volumes.after_sandbox_call(scope, reply, m.group(1))
+            return reply
         if path == "/v3/templates" and method == "POST":
             return await self._build(scope, body)
         if path in _TEMPLATE_LISTS and method == "GET":

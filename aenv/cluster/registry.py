@@ -24,7 +24,9 @@ clusters sharing one Redis):
   ``volume-names`` (hash): volume name -> that node; ``node:<id>:volumes`` (hash): the
   node's last published volumes, id -> name. ``volume-name:<name>`` (string with a TTL):
   a gateway's claim on a name while it creates the volume, so that two gateways cannot
-  make the same name on two nodes.
+  make the same name on two nodes. ``volume-templates`` (hash): persistent snapshot id or
+  name -> the node whose volumes its sandboxes mount (gateways write it when a sandbox
+  with volumes is snapshotted through them): creates from it go there.
 
 Redis holds nothing a node cannot say again: ``publish`` replaces a node's whole share of
 the index in one transaction (MULTI/EXEC) from what the node's store holds, and
@@ -293,6 +295,18 @@ class Registry:
         key = self._k("volume-name", name)
         if _str(await self.client.get(key) or "") == token:
             await self.client.delete(key)
+
+    async def pin_to_volumes(self, node_id: str, *refs: str) -> None:
+        """Sandboxes made from snapshot ``refs`` (its id and names) mount volumes of
+        ``node_id``: creates from it go there."""
+        if refs:
+            await self.client.hset(self._k("volume-templates"),
+                                   mapping={r: node_id for r in refs})
+
+    async def volumes_pin(self, ref: str) -> str | None:
+        """The node a create from template or snapshot ``ref`` must go to for its volumes."""
+        node = await self.client.hget(self._k("volume-templates"), ref)
+        return None if node is None else _str(node)
 
     # -- templates (written by gateways)
 

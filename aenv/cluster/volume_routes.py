@@ -22,6 +22,10 @@ node's sandboxes only. Each node publishes its volumes (``Registry.volume_node``
 - A sandbox create with ``volumeMounts`` (names) goes to the node of its volumes, whose own
   admission decides (``mounts_node``): 400 for a name no node holds (what a node answers)
   or volumes of two nodes, which no sandbox can mount together.
+- A persistent snapshot of a sandbox that mounts volumes (``POST /sandboxes/{id}/
+  snapshots`` through a gateway) makes sandboxes that mount them too, which only that
+  node can serve: its id and names are pinned there (``Registry.pin_to_volumes``,
+  ``after_sandbox_call``), and a create from it goes there as a create with those mounts.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ CONTENT_PREFIX = "/volumecontent/"
 # The SDKs give a volume's file calls an hour; a stream's bytes may pause that long too.
 CONTENT_TIMEOUT_S = 3600.0
 CREATE_TIMEOUT_S = 120.0
+# A download is passed on in pieces of this size (not the transport's 64 KiB reads).
+CHUNK = 1024 * 1024
 _HOP = {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
         b"trailer", b"transfer-encoding", b"upgrade", b"host", b"x-api-key",
         b"x-aenv-cluster-secret"}
@@ -135,22 +141,56 @@ class VolumeRoutes:
 
     async def mounts_node(self, body: bytes) -> str | Reply | None:
         """The node a create's volumes live on (None: it mounts none), or the answer that
-        refuses it."""
-        from .gateway import Reply
+        refuses it. Its template counts when it is a snapshot pinned to a node's volumes."""
+        from .gateway import Reply, _field
 
         names = _names(body)
-        if not names:
+        template = _field(body, "templateID")
+        pinned = await self.registry.volumes_pin(template) if template else None
+        if not names and pinned is None:
             return None
-        homes = {n: await self.registry.volume_name_node(n) for n in names}
+        homes: dict[str, str | None] = {
+            f"volume {n}": await self.registry.volume_name_node(n) for n in names}
         missing = [n for n, home in homes.items() if home is None]
         if missing:
-            return Reply.error(400, f"volume '{missing[0]}' does not exist")
-        where = sorted(set(homes.values()), key=str)
+            return Reply.error(400, f"volume '{missing[0][len('volume '):]}' does not exist")
+        if pinned is not None:
+            homes[f"the volumes of snapshot {template}"] = pinned
+        where = sorted({h for h in homes.values() if h is not None})
         if len(where) > 1:
             said = ", ".join(f"{n} on node {h}" for n, h in homes.items())
             return Reply.error(400, f"the volumes live on different nodes ({said}): a sandbox "
                                "mounts volumes of one node only")
         return where[0]
+
+    async def after_sandbox_call(self, scope: Scope, reply: Reply, sandbox_id: str) -> None:
+        """After a call about one sandbox went through: a persistent snapshot of a sandbox
+        that mounts volumes is pinned to their node (the node's own answer says whether it
+        mounts any)."""
+        from .gateway import LIST_TIMEOUT_S
+
+        if scope["method"] != "POST" or reply.status != 201 \
+                or not scope["path"].rstrip("/").endswith("/snapshots"):
+            return
+        try:
+            made = json.loads(reply.body)
+            refs = [made["snapshotID"], *(made.get("names") or [])]
+        except (ValueError, KeyError, TypeError):
+            return
+        owner = await self.registry.locate(sandbox_id)
+        node = await self.registry.node(owner) if owner else None
+        if node is None:
+            return
+        ask: Scope = {"type": "http", "method": "GET", "path": f"/sandboxes/{sandbox_id}",
+                      "query_string": b"", "headers": []}
+        try:
+            info = await self.gw._call(self.gw._request(node, ask, b""), LIST_TIMEOUT_S)
+            mounts = json.loads(info.body).get("volumeMounts") if info.status == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            mounts = None
+        if mounts:
+            await self.registry.pin_to_volumes(node.record.node_id,
+                                               *[r for r in refs if isinstance(r, str) and r])
 
     # -- content (streamed, the volume's token)
 
@@ -173,7 +213,9 @@ class VolumeRoutes:
             while True:
                 msg = await receive()
                 if msg["type"] == "http.disconnect":
-                    return
+                    # Not a normal end: that would end the chunked body upstream, and the
+                    # node would take the cut upload for a whole one.
+                    raise _ClientGone
                 yield msg.get("body", b"")
                 if not msg.get("more_body", False):
                     return
@@ -186,6 +228,8 @@ class VolumeRoutes:
             CONTENT_TIMEOUT_S, connect=2.0).as_dict()
         try:
             response = await self.gw.http.send(request, stream=True)
+        except _ClientGone:
+            return  # the upload stopped half way: the node's connection is dropped with it
         except httpx.HTTPError as e:
             return await _error(send, 502, "bad_gateway",
                                 f"the node of volume {volume_id} did not answer: {e}")
@@ -193,11 +237,15 @@ class VolumeRoutes:
             out = [(k, v) for k, v in response.headers.raw if k.lower() not in _OUT_HOP]
             await send({"type": "http.response.start", "status": response.status_code,
                         "headers": out})
-            async for chunk in response.aiter_raw():
+            async for chunk in response.aiter_raw(CHUNK):
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
         finally:
             await response.aclose()
+
+
+class _ClientGone(Exception):
+    """The client went away in the middle of its upload."""
 
 
 async def _error(send: Send, status: int, code: str, message: str) -> None:

@@ -16,7 +16,7 @@ import pytest
 from starlette.types import Receive, Scope, Send
 
 from aenv.cluster.node_agent import NodeAgent
-from aenv.cluster.registry import NodeRecord, Registry
+from aenv.cluster.registry import IndexEntry, NodeRecord, Registry
 from aenv.cluster.shared_secrets import SharedSecrets
 from aenv.store.secret_box import SecretKeyError
 from aenv.store.secrets import SecretsUnavailable
@@ -38,6 +38,8 @@ class VolumeNode:
     volumes: dict[str, str] = field(default_factory=dict)   # id -> name
     seen: list[tuple[str, str, dict[str, str], int]] = field(default_factory=list)
     create_delay: float = 0.0
+    mounting: set[str] = field(default_factory=set)   # its sandboxes that mount volumes
+    cut: list[int] = field(default_factory=list)      # bytes of requests cut short
     port: int = field(default_factory=free_port)
 
     @property
@@ -56,6 +58,9 @@ class VolumeNode:
         body = b""
         while True:
             msg = await receive()
+            if msg["type"] == "http.disconnect":   # a cut request: no answer to give
+                self.cut.append(len(body))
+                return
             body += msg.get("body", b"")
             if not msg.get("more_body", False):
                 break
@@ -78,6 +83,13 @@ class VolumeNode:
                         "headers": [(b"content-type", b"application/json")]})
             await send({"type": "http.response.body", "body": raw.encode()})
             return
+        elif method == "POST" and path.endswith("/snapshots"):
+            sid = path.split("/")[2]
+            status, out = 201, {"snapshotID": f"snap-{sid}", "names": [f"named-{sid}"]}
+        elif method == "GET" and path.startswith("/sandboxes/"):
+            sid = path.split("/")[2]
+            out = {"sandboxID": sid, "volumeMounts": [{"name": "data", "path": "/data"}]
+                   if sid in self.mounting else []}
         elif method == "POST" and path == "/v2/sandboxes":
             status, out = 201, {"sandboxID": f"{self.name}-new"}
         elif path.startswith("/volumecontent/"):
@@ -151,6 +163,31 @@ async def test_a_volume_lives_on_one_node_and_its_calls_and_mounts_go_there(
     assert await reg.volume_name_node("data") is None
 
 
+async def test_a_snapshot_of_a_sandbox_with_volumes_makes_sandboxes_on_their_node(
+        cluster: Any) -> None:
+    reg, client, a, b = cluster
+    a.volumes["vol_data"] = "data"
+    a.mounting.add("sb1")
+    await reg.publish(NodeRecord("a", a.url, "t", running=7, max_sandboxes=8),
+                      [IndexEntry("sb1"), IndexEntry("sb2")], dict(a.volumes))
+    await reg.publish(NodeRecord("b", b.url, "t", running=0, max_sandboxes=8), [], {})
+    r = await client.post("/sandboxes/sb1/snapshots", json={})
+    assert r.status_code == 201 and r.json()["snapshotID"] == "snap-sb1"
+    assert await reg.volumes_pin("snap-sb1") == "a" and await reg.volumes_pin("named-sb1") == "a"
+    assert (await client.post("/sandboxes/sb2/snapshots")).status_code == 201
+    assert await reg.volumes_pin("snap-sb2") is None            # sb2 mounts no volume
+    for ref in ("snap-sb1", "named-sb1"):                       # a is fuller: still a
+        r = await client.post("/v2/sandboxes", json={"templateID": ref})
+        assert r.json()["sandboxID"] == "a-new"
+    r = await client.post("/v2/sandboxes", json={"templateID": "snap-sb2"})
+    assert r.json()["sandboxID"] == "b-new"
+    b.volumes["vol_other"] = "other"
+    await b.publish()
+    r = await client.post("/v2/sandboxes", json={
+        "templateID": "snap-sb1", "volumeMounts": [{"name": "other", "path": "/o"}]})
+    assert r.status_code == 400 and "different nodes" in r.json()["message"]
+
+
 async def test_the_list_merges_every_nodes_volumes(cluster: Any) -> None:
     reg, client, _, b = cluster
     assert (await client.post("/volumes", json={"name": "one"})).status_code == 201
@@ -193,6 +230,37 @@ async def test_volume_content_streams_to_its_node_with_the_volumes_token(
     r = await client.get("/volumecontent/vol_nope/file", params={"path": "/f"},
                          headers={"Authorization": "Bearer t"})
     assert r.status_code == 401 and r.json()["code"] == "unauthorized"
+
+
+async def test_an_upload_cut_short_is_cut_short_at_the_node_too(cluster: Any) -> None:
+    """A client that goes away mid-upload must not look, to the node, like a whole (short)
+    file: the node's request is broken off, never ended."""
+    _, client, a, _ = cluster
+    assert (await client.post("/volumes", json={"name": "cut"})).status_code == 201
+    gw = client._transport.app   # type: ignore[attr-defined]  # the gateway's ASGI app
+    messages = [{"type": "http.request", "body": b"z" * 100_000, "more_body": True},
+                {"type": "http.disconnect"}]
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(msg: dict[str, Any]) -> None:
+        sent.append(msg)
+
+    scope = {"type": "http", "method": "PUT", "path": "/volumecontent/vol_cut/file",
+             "query_string": b"path=%2Ff", "headers": [(b"authorization", b"Bearer t-cut"),
+                                                       (b"host", b"gw")],
+             "scheme": "http", "server": ("gw", 80), "client": ("127.0.0.1", 1),
+             "http_version": "1.1", "root_path": ""}
+    await gw(scope, receive, send)
+    for _ in range(100):   # the node notices the broken connection
+        if a.cut:
+            break
+        await asyncio.sleep(0.05)
+    assert a.cut and a.cut[0] <= 100_000
+    assert not [m for _, m, _, n in a.seen if m == "/volumecontent/vol_cut/file"]
 
 
 async def test_a_node_publishes_its_volumes_and_their_removal(redis_server: RedisServer
