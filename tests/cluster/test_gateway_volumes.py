@@ -342,12 +342,18 @@ async def test_secrets_made_through_the_gateway_open_on_every_node(
         await node.close()
 
 
-async def test_secrets_answer_503_while_redis_is_down(redis_server: RedisServer) -> None:
+async def test_secrets_and_volumes_answer_503_while_redis_is_down(
+        redis_server: RedisServer) -> None:
     async with gateway_on(redis_server.url(DB), KEY, SECRET) as (_, client):
         redis_server.stop()
         try:
             r = await client.post("/secrets", json={"name": "k", "value": "v"})
             assert r.status_code == 503 and "Redis" in r.json()["message"]
+            r = await client.post("/volumes", json={"name": "v"})
+            assert r.status_code == 503 and "Redis" in r.json()["message"]
+            r = await client.get("/volumecontent/vol_x/file", params={"path": "/f"},
+                                 headers={"Authorization": "Bearer t"})
+            assert r.status_code == 503 and r.json()["code"] == "unavailable"
             node = SharedSecrets.from_url(redis_server.url(DB), SECRET)
             try:
                 with pytest.raises(SecretsUnavailable):   # egress answers 502 then
