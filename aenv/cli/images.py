@@ -146,23 +146,61 @@ def image_ls() -> None:
 
 @image_app.command("prune")
 def image_prune(
-    keep: int = typer.Option(1, help="newest images to keep per name and kernel flavor"),
+    keep: int = typer.Option(1, min=1, help="newest images to keep per name and kernel flavor"),
     yes: bool = typer.Option(False, "--yes", "-y", help="delete without asking"),
 ) -> None:
     """Delete superseded images (only when no sandbox or snapshot still uses them)."""
-    from ..storage.images import remove_image, superseded_images
+    from ..storage.images import UsersUnknown, image_users, remove_image, superseded_images
 
     settings = _settings()
     old = superseded_images(settings, keep)
     if not old:
         Console().print("nothing to prune")
         return
+    try:
+        users = image_users(settings, _store_roots(settings))
+    except UsersUnknown as e:
+        _fail(UsersUnknown(f"nothing deleted: {e}"))
+    unused = []
     for image in old:
-        Console().print(f"{image.name} {image.digest[:12]} {image.kernel_flavor}")
-    if not yes and not typer.confirm(f"delete these {len(old)} images?"):
+        line = f"{image.name} {image.digest[:12]} {image.kernel_flavor}"
+        if image.digest in users:
+            shown = ", ".join(users[image.digest][:3])
+            more = len(users[image.digest]) - 3
+            Console().print(f"{line}: kept, still used by {shown}"
+                            + (f" and {more} more" if more > 0 else ""))
+        else:
+            Console().print(line)
+            unused.append(image)
+    if not unused:
+        Console().print("nothing to prune: every superseded image is still used")
+        return
+    if not yes and not typer.confirm(f"delete these {len(unused)} images?"):
         raise typer.Exit(1)
-    for image in old:
+    for image in unused:
         remove_image(settings, image)
+
+
+def _store_roots(settings: Settings) -> set[str]:
+    """The image references the node's store still names, as the server's garbage
+    collection takes them (``Orchestrator.gc_roots``, less its in-flight pins, whose files
+    ``image_users`` finds on disk): templates (and the older builds a tag names), and the
+    snapshots live sandboxes were paused to or restored from."""
+    from ..store import Database, SandboxStore, TemplateStore
+
+    path = settings.home / "aenv.db"
+    if not path.is_file():
+        return set()
+    db = Database(path)
+    try:
+        templates = TemplateStore(db)
+        roots = {t.image for t in templates.list() if t.image}
+        roots |= templates.tagged_images()
+        for r in SandboxStore(db).live():
+            roots.update(x for x in (r.snapshot_id, r.restored_from) if x)
+        return roots
+    finally:
+        db.close()
 
 
 @image_app.command("pull")

@@ -27,7 +27,7 @@ import shutil
 import sys
 import time
 import zipfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -35,10 +35,10 @@ from typing import Literal
 from ..config import Settings
 from ..guest import base as recipe
 from ..guest import tools as tools_recipe
-from . import debian, ext4, guest_user, oci, tar_layers
+from . import debian, disks, ext4, guest_user, oci, tar_layers
 from ._fsutil import build_lock, scratch, staging
 from ._run import run
-from .errors import ImageError
+from .errors import ImageError, StorageError
 from .kernel import Kernel, ensure_kernel
 
 # Bump when the way trees are assembled changes, so old cached images are not reused.
@@ -304,6 +304,81 @@ def remove_image(settings: Settings, image: Image) -> None:
         raise ImageError(f"{image.path} is not an image of {settings.images_dir}")
     with build_lock(settings.images_dir):
         shutil.rmtree(directory)
+
+
+class UsersUnknown(ImageError):
+    """What a snapshot, layer or disk reads from cannot be read: no image may be deleted."""
+
+
+def image_users(settings: Settings, roots: Iterable[str] = ()) -> dict[str, list[str]]:
+    """The images something on this node still reads, by digest, each with what reads it.
+
+    Readers are found on disk, not only in records, so that a disk made a moment ago counts:
+    every snapshot directory (``snapshots_dir``: templates, paused sandboxes, persistent
+    snapshots, fork captures; complete or being written), every committed layer
+    (``layers_dir``) and every VM's working directory (``vms_dir``: running sandboxes'
+    disks and build VMs), through each qcow2 file's backing chain and each snapshot
+    manifest's drive roots. ``roots`` are the store's references (``TemplateRecord.image``,
+    a sandbox's ``snapshot_id``/``restored_from``); an ``image:<digest>`` among them names
+    an image directly, as a template made from one does before its first snapshot.
+    Raises ``UsersUnknown`` when a reader's dependencies cannot be read (fail closed)."""
+    from . import snapshots
+    from .image_ref import BadImageRef, ImageRef
+
+    users: dict[str, list[str]] = {}
+
+    def use(path: Path, by: str) -> None:
+        image = image_of_file(settings, path)
+        if image is not None and by not in users.setdefault(image.digest, []):
+            users[image.digest].append(by)
+
+    for r in roots:
+        try:
+            ref = ImageRef.parse(r)
+        except BadImageRef:
+            continue
+        if ref.is_image:
+            users.setdefault(ref.id, []).append(f"a record naming image:{ref.id[:12]}")
+
+    def chain(path: Path, by: str) -> None:
+        seen: set[Path] = set()
+        current: Path | None = path
+        while current is not None and current not in seen and current.exists():
+            seen.add(current)
+            use(current, by)
+            try:
+                info = snapshots.qcow2_info(current)
+                if info is None and current.suffix == ".qcow2":
+                    info = snapshots.image_info(current)  # a backing only QEMU resolves
+            except (StorageError, ValueError, KeyError) as e:
+                raise UsersUnknown(f"cannot read what {current} reads from: {e}") from e
+            current = info.backing if info is not None else None
+
+    places = ((settings.snapshots_dir, "snapshot"), (settings.layers_dir, "layer"),
+              (settings.vms_dir, "vm"))
+    for root, kind in places:
+        if not root.is_dir():
+            continue
+        for entry in sorted(root.iterdir()):
+            if entry.name == disks.OVERLAY_CACHE:
+                continue  # empty overlays, made again on demand (disks.prune_overlay_cache)
+            by = f"{kind} {entry.name}"
+            if entry.is_dir():
+                manifest = entry / snapshots.MANIFEST
+                if manifest.is_file():
+                    try:
+                        for d in snapshots.read_manifest(entry).drives:
+                            for p in (d.path, d.root, *d.chain):
+                                if p is not None:
+                                    use(p, by)
+                    except StorageError as e:
+                        raise UsersUnknown(f"{entry}: {e}") from e
+                for f in sorted(entry.rglob("*")):
+                    if f.is_file() and f.suffix in (".qcow2", ".img", ".raw", ""):
+                        chain(f, by)
+            elif entry.is_file():
+                chain(entry, by)
+    return users
 
 
 def superseded_images(settings: Settings, keep: int = 1) -> list[Image]:
