@@ -157,6 +157,11 @@ def image_prune(
     if not old:
         Console().print("nothing to prune")
         return
+    if settings.cache_home is not None and settings.cache_home != settings.home:
+        # Other homes (tests, a second server) may share this cache's images: their
+        # snapshots and disks are not looked at.
+        Console().print(f"note: images in {settings.images_dir} may be shared with other "
+                        f"homes; only {settings.home}'s snapshots and disks are checked")
     try:
         users = image_users(settings, _store_roots(settings))
     except UsersUnknown as e:
