@@ -14,6 +14,10 @@ and pauses it into a template snapshot, then on VMs restored from it, as every s
   ``freeze_ms`` (vCPUs stopped), and the recipe's phases (``plan``, ``freeze``,
   ``save_state``, ``save_memory``, ``drives``, ``thaw``, ``commit``, ``finish`` and the
   finer ones a step adds), whether it compacted its chain, and how much memory it wrote.
+  Captures run under one lock and each is handed to a ``Compactor`` afterwards, as the
+  node does; ``background_compactions``: how many ran and their steps (a tree from before
+  the background compactor compacts within the capture: run this file from such a tree
+  to compare, e.g. ``git archive <commit> | tar -x -C /tmp/old``).
   ``slowest``: the full breakdown of the slowest one, to see what it paid for.
 - ``via_api`` (``--via-api``): the same loop through a real ``aenv server``
   (``benchmarks/_server.py``, same net): a sandbox from base runs the writer, and
@@ -44,6 +48,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from aenv.config import Settings
+from aenv.orchestrator.timing import parse_server_timing
 from aenv.runtime.kvm import host_accel
 from benchmarks._common import emit, expect_status, phase_summaries, summary
 from benchmarks._server import VMServer
@@ -61,8 +66,19 @@ async def while_writing(bench: Bench, template: Path, n: int, mib: int) -> dict[
     await sbx.envd.run(WRITER)
     await asyncio.sleep(2.0)  # the loop is running
     rows = []
+    # As the node does: captures under one lock, chains compacted behind them (when this
+    # code has a background compactor: a tree from before it compacts within the capture).
+    lock, compactor = asyncio.Lock(), None
+    try:
+        from aenv.runtime.compaction import Compactor
+        compactor = Compactor(bench.runtime, lock)
+    except ImportError:
+        pass
     for i in range(n):
-        info = await sbx.vm.snapshot(bench.root / f"writes-{mib}-{i}", stop=False)
+        async with lock:
+            info = await sbx.vm.snapshot(bench.root / f"writes-{mib}-{i}", stop=False)
+        if compactor is not None:
+            compactor.schedule(info.directory)
         rows.append({"total_ms": ms(info.total_s), "freeze_ms": ms(info.freeze_s),
                      "compacted": info.compacted, "memory_layers": info.memory_layers,
                      "memory_mib": round(info.memory_bytes / (1 << 20), 2),
@@ -72,6 +88,14 @@ async def while_writing(bench: Bench, template: Path, n: int, mib: int) -> dict[
             f"(freeze {rows[-1]['freeze_ms']:.0f}{', compacted' if info.compacted else ''})")
         await asyncio.sleep(1.0)
     rewrites = await sbx.envd.run("wc -l < /tmp/rewrites")
+    background: dict[str, Any] = {}
+    if compactor is not None:
+        await asyncio.wait_for(compactor.settle(), 300)
+        await compactor.close()
+        hist = compactor.history
+        background = {"count": len(hist),
+                      **{f"{k}_ms": summary([ms(h[k]) for h in hist])
+                         for k in ("flatten", "install")}}
     await bench.destroy(sbx)
     slowest = max(rows, key=lambda r: r["total_ms"])
     compacted = [r["total_ms"] for r in rows if r["compacted"]]
@@ -83,6 +107,7 @@ async def while_writing(bench: Bench, template: Path, n: int, mib: int) -> dict[
         "compacted_total_ms": summary(compacted),
         "not_compacted_total_ms": summary(plain),
         "per_snapshot_total_ms": [r["total_ms"] for r in rows],
+        "background_compactions": background,
         "slowest": slowest,
         "guest_rewrites_of_8mib": int(rewrites.stdout.strip() or 0),
     }
@@ -96,6 +121,7 @@ def via_api(args: argparse.Namespace) -> dict[str, Any]:
     home = Path(tempfile.mkdtemp(prefix="aenv-bench-snapwrites-"))
     srv = VMServer(home, args.net, Settings.from_env().artifacts)
     walls: list[float] = []
+    timings: list[dict[str, float]] = []
     try:
         log(f"starting aenv server (prefix {srv.settings.name_prefix})")
         srv.start()
@@ -107,8 +133,10 @@ def via_api(args: argparse.Namespace) -> dict[str, Any]:
             time.sleep(2.0)
             for i in range(args.snapshots):
                 t0 = time.perf_counter()
-                expect_status(api.post(f"/sandboxes/{sid}/snapshots", json={}), 201)
+                r = expect_status(api.post(f"/sandboxes/{sid}/snapshots", json={}), 201)
                 walls.append((time.perf_counter() - t0) * 1000)
+                if "Server-Timing" in r.headers:  # the server's phases (ms), when it says
+                    timings.append(parse_server_timing(r.headers["Server-Timing"]))
                 log(f"POST snapshots {i + 1}/{args.snapshots}: {walls[-1]:.0f} ms")
                 time.sleep(1.0)
             expect_status(api.delete(f"/sandboxes/{sid}"), 204)
@@ -125,6 +153,7 @@ def via_api(args: argparse.Namespace) -> dict[str, Any]:
         "node_total_ms": summary([float(t) for _, (_, t) in paired]),
         "node_freeze_ms": summary([float(f) for _, (f, _) in paired]),
         "outside_capture_ms": summary([w - t for w, (_, t) in paired]),
+        "server_timing_ms": phase_summaries(timings) if timings else None,
     }
 
 

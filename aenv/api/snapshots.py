@@ -10,6 +10,7 @@ from fastapi import APIRouter, Body, Request, Response
 from fastapi.responses import JSONResponse
 
 from ..orchestrator.errors import TemplateNotFound
+from ..orchestrator.timing import server_timing
 from ..store import TemplateKind, TemplateRecord
 from . import listing, views
 from .errors import public_error
@@ -28,8 +29,15 @@ def _info(t: TemplateRecord) -> dict[str, Any]:
 @router.post("/sandboxes/{sandbox_id}/snapshots", status_code=201)
 async def create_snapshot(request: Request, sandbox_id: str,
                           body: Annotated[SnapshotRequest | None, Body()] = None) -> Response:
-    snap = await request.app.state.orchestrator.snapshot(sandbox_id, body.name if body else None)
-    return JSONResponse(_info(snap), status_code=201)
+    timings: dict[str, float] = {}
+    snap = await request.app.state.orchestrator.snapshot(
+        sandbox_id, body.name if body else None, timings)
+    # Server-Timing: the node's wait for its snapshot lock, the capture's steps (plan,
+    # freeze, save_state, save_memory with its finer memory_* phases, drives, thaw, commit,
+    # finish) and, marked as a total, the whole capture as the orchestrator saw it.
+    total = {"total": timings.pop("total")} if "total" in timings else None
+    headers = {"Server-Timing": server_timing(timings, total)} if timings else None
+    return JSONResponse(_info(snap), status_code=201, headers=headers)
 
 
 @router.get("/snapshots")

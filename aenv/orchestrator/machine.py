@@ -80,9 +80,11 @@ class Machines(Protocol):
         VM runs on as before — unless the VM itself died; the disk is never lost.
         ``ref`` is durable (fsynced) once complete."""
 
-    async def snapshot(self, rec: SandboxRecord, ref: str) -> None:
+    async def snapshot(self, rec: SandboxRecord, ref: str) -> dict[str, float] | None:
         """Capture the running sandbox as ``ref`` (vCPUs frozen only for the capture; it
-        runs on, and from now on its disk reads through the snapshot's)."""
+        runs on, and from now on its disk reads through the snapshot's). Returns where the
+        time went (seconds per phase: the capture's steps and what the node added), or
+        None when the machines do not say."""
 
     def has_snapshot(self, ref: str) -> bool:
         """Whether ``ref`` is a complete snapshot here (an interrupted pause leaves none)."""

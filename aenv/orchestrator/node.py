@@ -682,17 +682,26 @@ class NodeMachines:
         running = self._running.get(rec.id)
         return running is not None and running.vm.is_alive()
 
-    async def snapshot(self, rec: SandboxRecord, ref: str) -> None:
+    async def snapshot(self, rec: SandboxRecord, ref: str) -> dict[str, float]:
+        """Phases: ``lock`` (waiting for other captures and collection), the capture's
+        steps (``aenv.runtime.snapshot_recipe``, with their finer phases), ``publish``."""
         running = self._running.get(rec.id)
         if running is None:
             raise InvalidRequest(f"sandbox {rec.id} has no VM on this node")
+        timer = PhaseTimer()
         async with self._snapshot_lock:
+            timer.mark("lock")
             info = await running.vm.snapshot(self._snapshot_dir(ref), stop=False)
+            timer.skip()
+        timer.add(info.phases)
         self.compactor.schedule(info.directory)
         log.info("sandbox %s: snapshot %s (freeze %.0f ms, total %.0f ms)", rec.id,
                  ref, info.freeze_s * 1000, info.total_s * 1000,
                  extra={"sandbox_id": rec.id, "op": "snapshot", "duration": info.total_s})
         await self.publish(self._snapshot_dir(ref).name)
+        if self.shared is not None:
+            timer.mark("publish")
+        return timer.phases
 
     # -- the shared store (a cluster's) ---------------------------------------------------
 

@@ -294,9 +294,11 @@ class Orchestrator:
 
     # -- snapshots and forks --------------------------------------------------------------
 
-    async def snapshot(self, sandbox_id: str, name: str | None = None) -> TemplateRecord:
+    async def snapshot(self, sandbox_id: str, name: str | None = None,
+                       timings: dict[str, float] | None = None) -> TemplateRecord:
         """A persistent snapshot of a running sandbox, kept as a template of kind
-        ``snapshot``; the source keeps running."""
+        ``snapshot``; the source keeps running. ``timings`` receives where the capture's
+        time went (the machines' phases, when they report them) and ``total``."""
         taken = self.templates.get(name) if name else None
         if taken is not None:
             # Refused before the capture, which would otherwise be left for collection.
@@ -305,7 +307,9 @@ class Orchestrator:
         with self.pins.hold(ref):
             async with self._lock(sandbox_id):
                 rec = self.get(sandbox_id)
-                await self._capture(rec, SandboxState.SNAPSHOTTING, ref)
+                phases = await self._capture(rec, SandboxState.SNAPSHOTTING, ref)
+            if timings is not None:
+                timings.update(phases)
             return self._insert_snapshot(rec, ref, name)
 
     def _insert_snapshot(self, rec: SandboxRecord, ref: str, name: str | None
@@ -319,9 +323,10 @@ class Orchestrator:
         self._share_template(made)
         return made
 
-    async def _capture(self, rec: SandboxRecord, state: SandboxState, ref: str) -> None:
+    async def _capture(self, rec: SandboxRecord, state: SandboxState,
+                       ref: str) -> dict[str, float]:
         """Freeze-capture-thaw ``rec`` (its lock held) through ``state`` into ``ref``
-        (pinned by the caller)."""
+        (pinned by the caller); returns the machines' phases and ``total``."""
         if rec.state != SandboxState.RUNNING:
             raise Conflict(f"sandbox '{rec.id}' is {rec.state}, not running")
         if not self.machines.can_pause:
@@ -331,7 +336,7 @@ class Orchestrator:
             raise Conflict(f"sandbox '{rec.id}' changed state")
         timer = PhaseTimer(self.clock)
         try:
-            await self.machines.snapshot(rec, ref)
+            phases = await self.machines.snapshot(rec, ref)
         except Exception:
             self.sandboxes.transition(rec.id, [state], SandboxState.RUNNING)
             raise
@@ -339,6 +344,7 @@ class Orchestrator:
         record_phases(state, timer.phases)
         # The source's disk now reads through the snapshot: it keeps the snapshot alive.
         self.sandboxes.transition(rec.id, [state], SandboxState.RUNNING, restored_from=ref)
+        return {**(phases or {}), **timer.phases}
 
     async def fork(self, sandbox_id: str, count: int, timeout: int | None = None,
                    timings: dict[str, float] | None = None

@@ -132,6 +132,15 @@ class ProcessMemory:
             pos += len(chunk)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
+    def read_into(self, page: int, view: memoryview) -> None:
+        """Fill ``view`` from guest page ``page`` on (no allocation: the caller's buffer)."""
+        pos = 0
+        while pos < len(view):
+            n = os.preadv(self._fd, [view[pos:pos + _IO_CHUNK]], self._addr(page) + pos)
+            if n <= 0:
+                raise GuestMemoryError(f"short read of guest page {page + pos // PAGE_SIZE}")
+            pos += n
+
     def write(self, page: int, data: bytes | memoryview) -> None:
         view = memoryview(data)
         pos = 0

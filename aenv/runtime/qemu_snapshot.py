@@ -82,6 +82,7 @@ import errno
 import functools
 import json
 import logging
+import mmap
 import os
 import re
 import time
@@ -123,6 +124,8 @@ DEFAULT_MAX_CHAIN = 4  # diff layers on a memory base, snapshot layers in a qcow
 FULL_FRACTION = 0.5  # compaction writes a full image when more than this much RAM differs
 PAGE = snap.PAGE_SIZE
 _CHUNK_PAGES = 2048  # 8 MiB per read of guest memory
+_HEAD = 64  # bytes of a page compared before the whole page
+_BLOCK = 64  # pages compared at once before page by page (most are unchanged, or not)
 _SAME_OWNER = re.compile(rb"(.)\1*", re.S)
 
 
@@ -361,27 +364,56 @@ def _write_changed(mem: gm.ProcessMemory, writer: snap.LayerWriter,
                    runs: list[tuple[int, int]], owners: bytes | bytearray | None,
                    ref_fds: list[int]) -> None:
     """Write the pages of ``runs`` whose guest content differs from the stack's copy (the
-    layer named by ``owners``; ``owners`` None: write them all)."""
-    for start, count in gm.split_runs(runs, _CHUNK_PAGES):
-        data = mem.read(start, count)
-        if owners is None:
-            writer.write(start, data)
-            continue
-        for m in _SAME_OWNER.finditer(owners, start, start + count):
-            first, n = m.start(), m.end() - m.start()
-            off = (first - start) * PAGE
-            ref = _pread(ref_fds[owners[first]], n * PAGE, first * PAGE)
-            if data[off:off + n * PAGE] == ref:
+    layer named by ``owners``; ``owners`` None: write them all).
+
+    Guest pages and their stack copies are read into two buffers made once per capture, not
+    into new objects per chunk (fresh memory is what costs most on a host that is itself a
+    VM), and changed runs are written from slices of them without a copy. Unchanged pages
+    are skipped ``_BLOCK`` at a time; in a block that changed, a page is compared by its
+    first bytes before all of it (a page that changed almost always differs there)."""
+    size = _CHUNK_PAGES * PAGE
+    data, ref = mmap.mmap(-1, size), mmap.mmap(-1, size)
+    view, ref_view = memoryview(data), memoryview(ref)
+    try:
+        for start, count in gm.split_runs(runs, _CHUNK_PAGES):
+            mem.read_into(start, view[:count * PAGE])
+            if owners is None:
+                writer.write(start, view[:count * PAGE])
                 continue
-            pending = -1  # first page of a run of changed pages not yet written
-            for i in range(n + 1):
-                same = i == n or data[off + i * PAGE:off + (i + 1) * PAGE] == \
-                    ref[i * PAGE:(i + 1) * PAGE]
-                if not same and pending < 0:
-                    pending = i
-                elif same and pending >= 0:
-                    writer.write(first + pending, data[off + pending * PAGE:off + i * PAGE])
-                    pending = -1
+            for m in _SAME_OWNER.finditer(owners, start, start + count):
+                first, n = m.start(), m.end() - m.start()
+                off = (first - start) * PAGE
+                _pread_into(ref_fds[owners[first]], ref_view[:n * PAGE], first * PAGE)
+                pending = -1  # first page of a run of changed pages not yet written
+                i = 0
+                while i <= n:
+                    a, b = off + i * PAGE, i * PAGE
+                    if pending < 0 and i + _BLOCK <= n and \
+                            data[a:a + _BLOCK * PAGE] == ref[b:b + _BLOCK * PAGE]:
+                        i += _BLOCK  # a block unchanged as a whole: one comparison
+                        continue
+                    same = i == n or (data[a:a + _HEAD] == ref[b:b + _HEAD]
+                                      and data[a:a + PAGE] == ref[b:b + PAGE])
+                    if not same and pending < 0:
+                        pending = i
+                    elif same and pending >= 0:
+                        writer.write(first + pending, view[off + pending * PAGE:a])
+                        pending = -1
+                    i += 1
+    finally:
+        view.release()
+        ref_view.release()
+        data.close()
+        ref.close()
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> None:
+    pos = 0
+    while pos < len(view):
+        n = os.preadv(fd, [view[pos:]], offset + pos)
+        if n <= 0:  # layer files are full size: only a truncated file gets here
+            raise snap.SnapshotFilesError(f"short read of a memory layer at {offset + pos:#x}")
+        pos += n
 
 
 def _capture_private(pid: int, workdir: Path, staging: Path, parent: snap.Manifest,

@@ -204,3 +204,59 @@ def test_a_file_the_process_does_not_map_is_reported(mapped, tmp_path) -> None:
     other.write_bytes(b"")
     with pytest.raises(gm.GuestMemoryError, match="does not map"):
         gm.find_mapping(child.pid, other, SIZE)
+
+
+# -- what a capture writes of a restored VM's memory (qemu_snapshot._write_changed) -----------
+
+WRITER_CHILD = """
+import mmap, sys
+f = open(sys.argv[1], "r+b")
+m = mmap.mmap(f.fileno(), int(sys.argv[2]), flags=mmap.MAP_PRIVATE)
+m[2 * 4096:3 * 4096] = b"\\x01" * 4096              # written, but as the file has it
+m[3 * 4096:5 * 4096] = b"\\x02" * 8192              # changed
+m[9 * 4096 + 4000] = 9                              # changed far from the page's start
+m[10 * 4096:11 * 4096] = b"\\x01" * 4096            # as the file again
+m[11 * 4096] = 11                                   # changed
+m[12 * 4096:20 * 4096] = b"\x01" * 8 * 4096        # as the file: two whole blocks of 4
+for p in range(30, 64):                              # changed, a run across chunks
+    m[p * 4096:(p + 1) * 4096] = bytes([p]) * 4096
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_capture_writes_exactly_the_pages_that_differ_from_the_stack(
+        tmp_path, monkeypatch) -> None:
+    from aenv.runtime import qemu_snapshot
+
+    monkeypatch.setattr(qemu_snapshot, "_CHUNK_PAGES", 16)  # runs cut into several chunks
+    monkeypatch.setattr(qemu_snapshot, "_BLOCK", 4)
+    path = tmp_path / "ram"
+    path.write_bytes(b"\x01" * SIZE)
+    child = subprocess.Popen([sys.executable, "-c", WRITER_CHILD, str(path), str(SIZE)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == b"ready\n"
+        mapping = gm.find_mapping(child.pid, path, SIZE)
+        runs = gm.private_runs(child.pid, mapping)
+        out = tmp_path / "layer"
+        out.mkdir()
+        writer = snap.LayerWriter(out, SIZE, "diff")
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            with gm.ProcessMemory(child.pid, mapping) as mem:
+                qemu_snapshot._write_changed(mem, writer, runs, bytearray(SIZE // PAGE), [fd])
+        finally:
+            os.close(fd)
+        layer = writer.close()
+    finally:
+        child.kill()
+        child.wait()
+    assert snap.read_runs(out / snap.MEMORY_RUNS) == [(3, 2), (9, 1), (11, 1), (30, 34)]
+    assert layer.pages == 38
+    data = (out / snap.MEMORY).read_bytes()
+    assert data[3 * PAGE:5 * PAGE] == b"\x02" * 2 * PAGE
+    assert data[9 * PAGE + 4000] == 9 and data[9 * PAGE] == 1
+    assert data[11 * PAGE] == 11
+    assert all(data[p * PAGE:(p + 1) * PAGE] == bytes([p]) * PAGE for p in range(30, 64))
+
