@@ -7,6 +7,7 @@ API and proxy behind one listener. Everything with behaviour lives in those pack
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import time
@@ -106,8 +107,11 @@ class Server:
         self.machines = machines
         # In a cluster the secrets are the cluster's (``aenv.cluster.shared_secrets``): one
         # made through any gateway fills the egress transforms of this node's sandboxes.
+        # The node keeps a copy, written back should Redis lose them.
         self.shared_secrets = SharedSecrets.from_url(
-            settings.cluster, settings.cluster_secret or "") if settings.cluster else None
+            settings.cluster, settings.cluster_secret or "",
+            mirror=settings.secrets_dir / "cluster-secrets.json") if settings.cluster else None
+        self._secrets_mirror: asyncio.Task[None] | None = None
         secrets: Secrets = self.shared_secrets or LocalSecrets(self.secrets)
         self.egress = node_proxy(settings, secrets)
         if getattr(machines, "pool", None) is not None:  # VMs in network slots
@@ -160,6 +164,9 @@ class Server:
         asyncio.get_running_loop().set_default_executor(
             ThreadPoolExecutor(BLOCKING_THREADS, thread_name_prefix="aenv-host"))
         await self.egress.start()  # before slots are adopted with their policies
+        if self.shared_secrets is not None:
+            self._secrets_mirror = asyncio.create_task(self.shared_secrets.keep_mirror(),
+                                                       name="cluster-secrets-mirror")
         live = self.sandboxes.live()
         await self.machines.prepare({r.slot for r in live if r.slot is not None},
                                     {Path(r.vm_dir).name for r in live if r.vm_dir})
@@ -206,6 +213,10 @@ class Server:
         await self.orchestrator.close()
         await self.machines.close()
         await self.egress.close()
+        if self._secrets_mirror is not None:
+            self._secrets_mirror.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._secrets_mirror
         if self.shared_secrets is not None:
             await self.shared_secrets.close()
         await asyncio.to_thread(self.volumes.close)
