@@ -105,3 +105,35 @@ def test_write_atomic_never_leaves_a_short_file(tmp_path, monkeypatch) -> None:
     assert path.read_bytes() == b"old contents"
     assert [p.name for p in tmp_path.iterdir()] == ["key"]  # no temp file left
     assert path.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_compacted_drive_file_is_flushed_before_it_replaces_the_old_one(
+        tmp_path, journal) -> None:
+    from aenv.runtime import qemu_snapshot
+    from tests.runtime.test_compaction import MAX_CHAIN, _chain
+
+    _, dirs = _chain(tmp_path, 4)
+    top = dirs[-1]
+    job = qemu_snapshot.prepare_compaction(top, MAX_CHAIN)
+    assert job is not None
+    flat = (top / ".rootfs.qcow2.compacting").stat().st_ino
+    assert job.install()
+    drive = top / "rootfs.qcow2"
+    assert drive.stat().st_ino == flat
+    assert flushed_before(journal, flat, drive)
+    assert flushed_after(journal, top.stat().st_ino, drive)  # the new name
+    job.release()
+    manifest = top / snap.MANIFEST
+    assert flushed_before(journal, manifest.stat().st_ino, manifest)
+    assert flushed_after(journal, top.stat().st_ino, manifest)
+
+
+def test_start_writeback_leaves_the_data_as_written(tmp_path) -> None:
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        os.pwrite(fd, b"\7" * 65536, 4096)
+        durable.start_writeback(fd, 4096, 65536)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == bytes(4096) + b"\7" * 65536
