@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
@@ -33,6 +36,7 @@ from e2b import Sandbox, Secret, Volume
 
 from tests.cluster.redis_server import RedisServer, running_redis
 from tests.cluster.test_cluster_e2e import GATEWAY_KEY, SECRET, gateway
+from tests.conftest import ROOT, run_json_script
 from tests.network.egress_world import Internet
 from tests.server.conftest import ServerProcess, serving
 
@@ -103,6 +107,15 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             mp.setenv("E2B_API_KEY", GATEWAY_KEY)
             mp.delenv("E2B_DOMAIN", raising=False)
             yield Cluster(redis_srv, nodes, url, inet)
+
+
+def _copied(copy: Path) -> set[tuple[str, int]]:
+    """(name, version) of each secret in a node's copy of the cluster's secrets."""
+    try:
+        records = json.loads(copy.read_text())["records"]
+    except (OSError, ValueError):
+        return set()
+    return {(r["name"], r["version"]) for r in map(json.loads, records.values())}
 
 
 def _run(sbx: Sandbox, cmd: str) -> str:
@@ -196,10 +209,16 @@ def test_a_secret_made_through_the_gateway_fills_transforms_on_every_node(
         for node, sbx in sorted(placed.items()):
             _run(sbx, "python3 /tmp/req.py plain.aes.test")
             assert cluster.inet.http.seen[-1]["x-key"] == "rotated", node
-        # every node serves the cluster's secrets, none in its own database
+        # every node serves the cluster's secrets, and keeps a sealed copy of them
         for srv in cluster.nodes.values():
             with httpx.Client(base_url=srv.url, headers={"X-API-KEY": srv.api_key}) as c:
                 assert c.get("/secrets/cv-token").json()["currentVersion"] == 2
+            copy = srv.home / "secrets" / "cluster-secrets.json"
+            deadline = time.monotonic() + 10
+            while ("cv-token", 2) not in _copied(copy):
+                assert time.monotonic() < deadline, "no copy of the secrets on the node"
+                time.sleep(0.2)
+            assert "rotated" not in copy.read_text() and TOKEN not in copy.read_text()
     finally:
         for s in sandboxes:
             s.kill()
@@ -226,3 +245,18 @@ def test_a_large_file_streams_through_the_gateway(cluster: Cluster) -> None:
             print(f"{how}: write {64 / (t1 - t0):.0f} MiB/s, read {64 / (t2 - t1):.0f} MiB/s")
     finally:
         Volume.destroy(vol.volume_id)
+
+
+@pytest.mark.js
+def test_the_js_sdks_volume_methods_through_the_gateway(cluster: Cluster) -> None:
+    """``tests/js/volumes.mjs`` (the newest E2B JS SDK) with every URL at the gateway: the
+    same answers as against one node (``tests/server/test_volumes_js_e2e.py``)."""
+    if shutil.which("node") is None or not (ROOT / "tests/js/node_modules/e2b").is_dir():
+        pytest.fail("node or the e2b npm package is missing: run ./scripts/setup.sh")
+    out = run_json_script(["node", "volumes.mjs"], {}, cwd=ROOT / "tests/js", timeout=500)
+    assert out["read"] == "from the js sdk\n" and out["guestRead"] == "from the js sdk\n"
+    assert out["apiRead"] == "from-the-guest\n"
+    assert out["overwrite"][0] == "VolumeError" and "409" in out["overwrite"][1]
+    assert out["missing"][0] == "VolumePathNotFoundError"
+    assert out["mounts"] == [{"name": "js-volume", "path": "/mnt/js"}]
+    assert out["destroyed"] == [True, False] and out["gone"][0] == "VolumeNotFoundError"
