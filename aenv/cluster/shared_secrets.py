@@ -90,6 +90,7 @@ class SharedSecrets:
     def __init__(self, client: aioredis.Redis, cluster_secret: str, *,
                  prefix: str = DEFAULT_PREFIX, mirror: Path | None = None) -> None:
         self.client, self.prefix, self.mirror = client, prefix, mirror
+        self._mirrored: tuple[Any, Any] | None = None  # (epoch, revision) ``mirror`` holds
         self._box = SecretBox(cluster_key(cluster_secret))
 
     @classmethod
@@ -256,14 +257,18 @@ class SharedSecrets:
         lost them. Redis errors are left to the next call."""
         if self.mirror is None:
             return
-        mine = _read_mirror(self.mirror)
         async with self._redis():
             epoch, rev = await self.client.mget(self._k("secrets-epoch"),
                                                 self._k("secrets-rev"))
+        if self._mirrored == (epoch, rev):  # as the copy holds: no file read
+            return
+        mine = _read_mirror(self.mirror)
+        async with self._redis():
             if mine and mine["epoch"] and epoch != mine["epoch"] and not \
                     await self.client.sismember(self._k("secrets-restored"), mine["epoch"]):
                 await self._restore(mine)
             elif mine and epoch == mine["epoch"] and str(rev) == str(mine["rev"]):
+                self._mirrored = (epoch, rev)
                 return
             async with self.client.pipeline(transaction=True) as p:
                 p.get(self._k("secrets-epoch"))
@@ -271,6 +276,7 @@ class SharedSecrets:
                 p.hgetall(self._k("secrets"))
                 epoch, rev, records = await p.execute()
         _write_mirror(self.mirror, {"epoch": epoch, "rev": rev, "records": records})
+        self._mirrored = (epoch, rev)
 
     async def _restore(self, mine: dict[str, Any]) -> None:
         """Write back the mirrored secrets a Redis that restarted empty lost (their ids
