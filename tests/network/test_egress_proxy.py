@@ -36,6 +36,7 @@ from aenv.network import netns as ns
 from aenv.network.addressing import Addressing
 from aenv.network.egress_guard import upstream_refused
 from aenv.network.policy import DEFAULT_POLICY, EgressPolicy, header_rules
+from aenv.store.secrets import SecretsUnavailable
 
 from .egress_world import Guest, Internet
 from .helpers import make_settings
@@ -55,6 +56,7 @@ class World:
         self.http, self.https, self.other = inet.http, inet.https, inet.other
         self.node_ca = EgressCA(tmp / "node-ca")
         self.secrets = {"tok": SECRET}
+        self.store_down = False
         self.proxy = EgressProxy(self.node_ca, self.secret, resolver=Resolver(inet.hosts),
                                  refused=upstream_refused(self.addressing),
                                  upstream_ca=inet.ca_file)
@@ -66,6 +68,8 @@ class World:
         self.guest = Guest(self.slot, f"{PREFIX}-g1", INET_IP)
 
     async def secret(self, name: str) -> str | None:
+        if self.store_down:   # a cluster's Redis unreachable (aenv.cluster.shared_secrets)
+            raise SecretsUnavailable("ConnectionError: Redis is down")
         return self.secrets.get(name)  # read at each request: a change applies to the next
 
     def guest_call(self, fn):  # type: ignore[no-untyped-def]
@@ -270,6 +274,15 @@ def test_a_secret_that_would_split_a_header_is_not_sent(proxied: World) -> None:
         assert proxied.http.seen == []
     finally:
         proxied.secrets["tok"] = SECRET
+
+
+def test_a_secret_store_that_cannot_be_read_answers_502(proxied: World) -> None:
+    proxied.store_down = True
+    try:
+        assert proxied.guest.request("plain.aes.test").startswith(b"HTTP/1.1 502")
+        assert proxied.http.seen == []
+    finally:
+        proxied.store_down = False
 
 
 def test_a_guest_holds_at_most_so_many_connections(proxied: World,
