@@ -107,12 +107,13 @@ class FakeEnvds:
             await server.wait_closed()
 
 
-def _running(store: SandboxStore, sandbox_id: str, host_ip: str) -> None:
+def _running(store: SandboxStore, sandbox_id: str, host_ip: str,
+             vm_pid: int | None = None) -> None:
     now = time.time()
     store.insert(SandboxRecord(id=sandbox_id, template_id="base", state="running",
                                client_id="c", started_at=now, end_at=now + 3600, cpu_count=2,
                                memory_mb=1024, disk_size_mb=4096, host_ip=host_ip,
-                               envd_token="tok"))
+                               envd_token="tok", vm_pid=vm_pid))
 
 
 @pytest.fixture
@@ -192,3 +193,30 @@ async def test_the_loop_survives_a_failing_store(world, monkeypatch: pytest.Monk
         assert collector.samples("good", None, None)
     finally:
         await collector.close()
+
+
+async def test_an_idle_guest_is_asked_every_few_rounds_a_busy_one_every_round(
+        world, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Idle is the VMM's host CPU between rounds (read on the host, not by asking the
+    guest): below ``IDLE_CPU_MS_PER_S`` a guest is asked every ``IDLE_EVERY``-th round
+    once it has a sample; a busy one, or one whose VMM is unknown, every round."""
+    fakes, store = world
+    good = _json(json.dumps(GOOD).encode())
+    _running(store, "idle", await fakes.add(good), vm_pid=1001)
+    _running(store, "busy", await fakes.add(good), vm_pid=1002)
+    _running(store, "unknown", await fakes.add(good))
+    cpu = {1001: 0.0, 1002: 0.0}
+    monkeypatch.setattr(metrics_module, "vmm_cpu_s", lambda pid: cpu.get(pid))
+    collector = await _collector(fakes, store, monkeypatch)
+    rounds = 2 * metrics_module.IDLE_EVERY
+    try:
+        for _ in range(rounds):
+            cpu[1002] += 10.0  # seconds of CPU between two rounds: never idle
+            await asyncio.wait_for(collector.collect_once(), _GUARD_S)
+    finally:
+        await collector.close()
+    counts = {sid: len(collector.samples(sid, None, None)) for sid in ("idle", "busy",
+                                                                      "unknown")}
+    assert counts["busy"] == counts["unknown"] == rounds
+    # the first round (no sample yet) and then once every IDLE_EVERY rounds
+    assert counts["idle"] == 1 + (rounds - 1) // metrics_module.IDLE_EVERY
