@@ -53,8 +53,12 @@ NETNS_DIR = Path("/run/netns")
 # detectors' timer (``nowatchdog``) and the vmstat folding every second (every 10 s:
 # counters in /proc/meminfo may lag that much); idle sandboxes measured 12.3-12.4 ms/s of
 # host CPU each with them, 13.0-13.3 without (benchmarks/density.py --n 8, alternating).
+# Proactive compaction off: kcompactd woke an idle guest twice a second (1.85-2.0 of its
+# ~10-19 wake-ups/s, counted in the guest over 20 s) to defragment memory for huge pages
+# that a small guest rarely asks for; compaction on demand stays. Kernel arguments apply
+# at boot only: snapshots taken before keep the value they booted with, and restore.
 TCG_KERNEL_ARGS = ("tsc=reliable", "mitigations=off", "nowatchdog",
-                   "sysctl.vm.stat_interval=10")
+                   "sysctl.vm.stat_interval=10", "sysctl.vm.compaction_proactiveness=0")
 
 
 def tcg_kernel_args(tsc_khz: int | None = None) -> tuple[str, ...]:

@@ -78,11 +78,12 @@ def test_tcg_adds_its_arguments_once_and_kvm_does_not(monkeypatch) -> None:
     monkeypatch.setattr(qemu_args, "host_tsc_khz", lambda: 2793436)
     assert kernel_cmdline(spec(), "tcg") == (
         "console=ttyS0 root=/dev/vda tsc_early_khz=2793436 tsc=reliable mitigations=off "
-        "nowatchdog sysctl.vm.stat_interval=10")
+        "nowatchdog sysctl.vm.stat_interval=10 sysctl.vm.compaction_proactiveness=0")
     given = spec(boot_args="console=ttyS0 tsc_early_khz=1000000 tsc=reliable mitigations=auto")
     # What the caller set wins; what it left out is added.
     assert kernel_cmdline(given, "tcg") == \
-        given.boot_args + " nowatchdog sysctl.vm.stat_interval=10"
+        given.boot_args + " nowatchdog sysctl.vm.stat_interval=10 " \
+        "sysctl.vm.compaction_proactiveness=0"
     assert kernel_cmdline(spec(), "kvm") == "console=ttyS0 root=/dev/vda"
 
 
@@ -90,7 +91,7 @@ def test_an_unknown_tsc_frequency_leaves_calibration_to_the_guest(monkeypatch) -
     monkeypatch.setattr(qemu_args, "host_tsc_khz", lambda: None)
     assert kernel_cmdline(spec(), "tcg") == (
         "console=ttyS0 root=/dev/vda tsc=reliable mitigations=off nowatchdog "
-        "sysctl.vm.stat_interval=10")
+        "sysctl.vm.stat_interval=10 sysctl.vm.compaction_proactiveness=0")
 
 
 def test_accelerator_selects_cpu_model() -> None:
