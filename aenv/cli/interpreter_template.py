@@ -1,9 +1,11 @@
 """Stage the ``code-interpreter-v1`` build context on the host (aenv/interpreter/template.py).
 
 The libraries are installed here, for the guest's Python and platform, into
-``<cache dir>/interpreter-template/<key>/site``, and Deno's binary (``npm pack`` of its
-platform package) into ``deno`` beside it: ``key`` is a digest of the package list, the
-platforms, the guest's Python and Deno's version, so a second build reuses both (and the
+``<cache dir>/interpreter-template/<key>/site``, Deno's binary (``npm pack`` of its
+platform package) into ``deno`` beside it, and the Debian packages (with apt: those the
+``base`` image lacks, downloaded to ``<cache dir>/debs``) into ``debs`` with their
+``Packages`` index: ``key`` is a digest of the package lists, the platforms, the guest's
+Python and Deno's version, so a second build reuses them all (and the
 server, seeing the same ``filesHash``, the uploaded archives) and a change to any of them
 stages afresh. The kernel specs (``jupyter``) and the server's source are written at every
 build (a few small files). Removing the cache directory is always safe.
@@ -21,7 +23,9 @@ import tempfile
 from pathlib import Path
 
 import aenv
+from aenv.guest import base as base_recipe
 from aenv.interpreter import template
+from aenv.storage import debian
 
 from .dockerfile import Recipe, parse_dockerfile
 
@@ -35,7 +39,8 @@ def key() -> str:
     """The libraries' key: the package list, the platforms and the guest's Python."""
     h = hashlib.sha256()
     for part in (*template.PACKAGES, *template.PLATFORMS, *template.PRUNE_DIRS,
-                 template.GUEST_PYTHON, template.DENO_PACKAGE, template.DENO_VERSION):
+                 template.GUEST_PYTHON, template.DENO_PACKAGE, template.DENO_VERSION,
+                 *template.DEBIAN_PACKAGES):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:16]
 
@@ -51,7 +56,8 @@ def pip_command(target: Path) -> list[str]:
 
 
 def stage(cache_dir: Path) -> Path:
-    """The build context directory: ``site`` and ``deno`` (staged once per ``key``),
+    """The build context directory: ``site``, ``deno`` and ``debs`` (staged once per
+    ``key``),
     ``jupyter`` and ``server/aenv`` (refreshed on every build: a few small files)."""
     root = cache_dir / "interpreter-template"
     context = root / key()
@@ -59,6 +65,8 @@ def stage(cache_dir: Path) -> Path:
         _stage_site(root, context)
     if not (context / "deno" / "deno").is_file():
         _stage_deno(context)
+    if not (context / "debs" / "Packages").is_file():
+        _stage_debs(context, cache_dir / "debs")
     _write_kernel_specs(context / "jupyter")
     server = Path(tempfile.mkdtemp(prefix=".server-", dir=context))
     try:
@@ -129,6 +137,40 @@ def _stage_deno(context: Path) -> None:
         out.rename(context / "deno")
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _stage_debs(context: Path, cache: Path) -> None:
+    """``debs``: the ``.deb`` files of ``DEBIAN_PACKAGES`` and of the dependencies the base
+    image lacks (apt's resolution, ``debian.closure``), and a ``Packages`` index that makes
+    the directory a flat apt repository for the guest (``template.apt_install_cmd``)."""
+    if shutil.which("apt-get") is None:
+        raise RuntimeError("staging the code interpreter's R kernel needs apt-get (a Debian "
+                           "or Ubuntu host, as ./scripts/setup.sh expects)")
+    packages = debian.closure(template.DEBIAN_PACKAGES, beside=base_recipe.BASE_PACKAGES)
+    files = debian.download(packages, cache)
+    work = Path(tempfile.mkdtemp(prefix=".debs-", dir=context))
+    try:
+        work.chmod(0o755)
+        entries = []
+        for deb in files:
+            shutil.copyfile(deb, work / deb.name)
+            (work / deb.name).chmod(0o644)
+            entries.append(_index_entry(work / deb.name))
+        (work / "Packages").write_text("\n".join(entries))
+        (work / "Packages").chmod(0o644)
+        work.rename(context / "debs")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _index_entry(deb: Path) -> str:
+    """A ``Packages`` stanza (as ``dpkg-scanpackages`` writes one): the control fields,
+    then where the file is and its size and digest."""
+    control = subprocess.run(["dpkg-deb", "-f", str(deb)], capture_output=True, text=True,
+                             check=True).stdout.rstrip("\n")
+    digest = hashlib.sha256(deb.read_bytes()).hexdigest()
+    return (f"{control}\nFilename: ./{deb.name}\nSize: {deb.stat().st_size}\n"
+            f"SHA256: {digest}\n")
 
 
 def _write_kernel_specs(jupyter: Path) -> None:

@@ -99,11 +99,19 @@ def result_line(bundle: dict[str, Any], main: bool) -> dict[str, Any]:
     return line
 
 
+def _r_setenv(envs: dict[str, str]) -> str:
+    # JSON's string escapes (\", \\, \n, \uXXXX) are R's too.
+    return "Sys.setenv(" + ", ".join(f"{json.dumps(k)} = {json.dumps(v)}"
+                                     for k, v in envs.items()) + ")"
+
+
 def _permanent_env_code(language: str, envs: dict[str, str]) -> str | None:
     if language == "python":
         return f"__import__('os').environ.update({json.dumps(envs)})"
     if language == "bash":
         return "\n".join(f"export {k}={json.dumps(v)}" for k, v in envs.items())
+    if language == "r":
+        return f"invisible({_r_setenv(envs)})"
     return None
 
 
@@ -130,6 +138,18 @@ def _env_code(language: str, envs: dict[str, str], restore: bool) -> str | None:
         if restore:
             return "unset " + " ".join(envs)
         return "\n".join(f"export {k}={json.dumps(v)}" for k, v in envs.items())
+    if language == "r":
+        # a name starting with "." is out of ls()'s sight, as python's __aenv_ names
+        if restore:
+            return ("for (.aenv_k in names(.aenv_saved_env)) {\n"
+                    "  .aenv_v <- .aenv_saved_env[[.aenv_k]]\n"
+                    "  if (is.na(.aenv_v)) Sys.unsetenv(.aenv_k)\n"
+                    "  else do.call(Sys.setenv, setNames(list(.aenv_v), .aenv_k))\n"
+                    "}\n"
+                    "rm(.aenv_saved_env, .aenv_k, .aenv_v)")
+        names = ", ".join(json.dumps(k) for k in envs)
+        return (f".aenv_saved_env <- as.list(Sys.getenv(c({names}), unset = NA, names = TRUE))\n"
+                f"invisible({_r_setenv(envs)})")
     return None
 
 

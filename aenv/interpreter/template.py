@@ -14,9 +14,16 @@ Kernels besides python: ``bash`` (bash_kernel, from PyPI) and ``javascript``/``t
 the guest needs no Node.js or native zeromq build). Their kernel specs (``KERNELS``) go to
 ``JUPYTER_DIR``, which the server puts on ``JUPYTER_PATH``. The default bash context starts
 before the snapshot with python's (a kernel start costs 20-30 s under TCG, its memory a few
-tens of MB); Deno's, larger, starts on first use (about 25 s under TCG). R (Debian's
-r-base and r-cran-irkernel) and Java (IJava ships on GitHub only) are not installed: the
-server answers 400 naming the installed kernels.
+tens of MB); Deno's, larger, starts on first use (about 25 s under TCG).
+
+``r`` is IRkernel on Debian's R (``DEBIAN_PACKAGES``: r-base-core and r-cran-irkernel, with
+the dependencies the ``base`` image lacks). Their ``.deb`` files are downloaded on the host
+with apt (cached beside the build context) and COPYed with a ``Packages`` index to
+``DEBS_DIR``, laid on the host like the libraries; one RUN has the guest's own apt install
+them from that directory as a local repository (no network, maintainer scripts run as in any
+``apt-get install``) and delete it. R starts on first use (a few seconds under TCG). Java
+has no kernel on PyPI, npm or Debian (IJava ships on GitHub only): the server answers 400
+naming the installed kernels.
 
 The build (``aenv template build code-interpreter-v1``) starts the server as the template's
 user in ``/home/user`` and snapshots it ready, so a create restores a running kernel.
@@ -47,6 +54,9 @@ PACKAGES = (
     "openpyxl",
     "bash_kernel",
 )
+# Debian packages installed with the guest's apt from a local repository (see above).
+DEBIAN_PACKAGES = ("r-base-core", "r-cran-irkernel")
+DEBS_DIR = "/opt/aenv-interpreter/debs"
 # Deno (its Jupyter kernel runs JavaScript and TypeScript), pinned so the staged copy is
 # keyed by its version.
 DENO_PACKAGE = "@deno/linux-x64-glibc"
@@ -61,6 +71,9 @@ KERNELS: dict[str, dict[str, object]] = {
     "deno": {"argv": [f"{DENO_DIR}/deno", "jupyter", "--kernel", "--conn",
                       "{connection_file}"],
              "display_name": "Deno", "language": "typescript", "env": {"NO_COLOR": "1"}},
+    # IRkernel's own spec (``IRkernel::installspec()`` writes this; Debian ships none)
+    "ir": {"argv": ["R", "--slave", "-e", "IRkernel::main()", "--args", "{connection_file}"],
+           "display_name": "R", "language": "R"},
 }
 # manylinux tags the guest's glibc (bookworm: 2.36) runs, newest first.
 PLATFORMS = tuple(f"{tag}_x86_64" for tag in (
@@ -80,9 +93,25 @@ START_CMD = (f"python3 -m aenv.interpreter --host 0.0.0.0 --port 49999 --cwd {HO
 READY_CMD = "curl -sf http://127.0.0.1:49999/health"
 
 
+def apt_install_cmd() -> str:
+    """The guest's apt installs ``DEBIAN_PACKAGES`` from ``DEBS_DIR`` (a flat repository:
+    the ``.deb`` files and their ``Packages`` index) and nothing else: its own sources and
+    lists are left alone, and the directory goes once the packages are in."""
+    lists = "/tmp/aenv-apt-lists"
+    opts = (f"-o Dir::Etc::SourceList={DEBS_DIR}/sources.list -o Dir::Etc::SourceParts=-"
+            f" -o Dir::State::Lists={lists} -o APT::Get::List-Cleanup=0")
+    return (f"mkdir -p {lists}/partial"
+            f" && echo 'deb [trusted=yes] file:{DEBS_DIR} ./' > {DEBS_DIR}/sources.list"
+            f" && apt-get -qq {opts} update"
+            f" && DEBIAN_FRONTEND=noninteractive apt-get -q -y {opts} install"
+            f" --no-install-recommends {' '.join(DEBIAN_PACKAGES)}"
+            f" && rm -rf {lists} {DEBS_DIR}")
+
+
 def dockerfile() -> str:
     """The build steps; the context directory holds ``site`` (the staged libraries),
-    ``deno`` (its binary), ``jupyter`` (the kernel specs) and ``server/aenv``
+    ``deno`` (its binary), ``debs`` (the Debian packages and their index), ``jupyter``
+    (the kernel specs) and ``server/aenv``
     (``aenv/__init__.py`` and ``aenv/interpreter``)."""
     return "\n".join([
         "FROM base",
@@ -93,7 +122,9 @@ def dockerfile() -> str:
         # the cached image changes only with the libraries.
         f"COPY site {SITE}",
         f"COPY deno {DENO_DIR}",
+        f"COPY debs {DEBS_DIR}",
         f"COPY jupyter {JUPYTER_DIR}",
+        f"RUN {apt_install_cmd()}",
         f"RUN python3 -c 'import sys; v = \"%d.%d\" % sys.version_info[:2]; "
         f"assert v == \"{GUEST_PYTHON}\", \"the guest has Python \" + v'",
         f"COPY server/aenv {SITE}/aenv",

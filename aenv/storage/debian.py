@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +72,28 @@ def depends_of(pkg: Package) -> list[str]:
     if not m:
         return []
     return [alt.split("|")[0].split("(")[0].strip() for alt in m.group(1).split(",")]
+
+
+def closure(names: Sequence[str], *, beside: Sequence[str] = ()) -> list[Package]:
+    """What ``apt-get install --no-install-recommends names`` would install on a Debian
+    that has ``beside`` (and their dependencies) and nothing else, in apt's order.
+
+    apt resolves both sets from scratch (an empty dpkg status) and the second is taken
+    away, so alternatives are chosen as apt chooses them and the answer does not depend
+    on what this host has installed. The guest's own apt still decides at install time;
+    a package this left out that the guest lacks makes that install fail by its name."""
+    have = {p.name for p in _simulate(beside)} if beside else set()
+    return [p for p in _simulate(names) if p.name not in have]
+
+
+def _simulate(names: Sequence[str]) -> list[Package]:
+    with tempfile.TemporaryDirectory(prefix="aenv-apt-") as d:
+        status = Path(d) / "status"
+        status.touch()
+        out = run(["apt-get", "-s", "-q", "-o", f"Dir::State::status={status}",
+                   "install", "--no-install-recommends", *names])
+    return [Package(m.group(1), m.group(2))
+            for m in re.finditer(r"^Inst (\S+) \((\S+) ", out, re.MULTILINE)]
 
 
 def download(packages: Sequence[Package], dest: Path) -> list[Path]:

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
+import subprocess
 from pathlib import Path
+
+import pytest
 
 from aenv.cli import interpreter_template
 from aenv.cli.template import build_spec
@@ -17,14 +22,18 @@ def test_recipe_copies_the_staged_site_and_starts_the_server_as_user() -> None:
                       templates={"base"})
     assert spec["fromTemplate"] == "base"
     kinds = [s["type"] for s in spec["steps"]]
-    assert kinds.count("COPY") == 4 and kinds.index("COPY") < kinds.index("USER")
+    assert kinds.count("COPY") == 5 and kinds.index("COPY") < kinds.index("USER")
     copies = [s for s in spec["steps"] if s["type"] == "COPY"]
     assert [c["args"][:2] for c in copies] == [["site", template.SITE],
                                                ["deno", template.DENO_DIR],
+                                               ["debs", template.DEBS_DIR],
                                                ["jupyter", template.JUPYTER_DIR],
                                                ["server/aenv", template.SITE + "/aenv"]]
-    # the three large, rarely changing ones lead, so the server lays them on the host
-    assert kinds[:3] == ["COPY"] * 3
+    # the large, rarely changing ones lead, so the server lays them on the host
+    assert kinds[:4] == ["COPY"] * 4
+    # then the guest's apt installs the Debian packages from the laid directory, as root
+    assert spec["steps"][4]["type"] == "RUN"
+    assert spec["steps"][4]["args"][0] == template.apt_install_cmd()
     assert all(c["filesHash"] == "h" for c in copies)
     assert "--preload" in spec["startCmd"] and "--warm-up" in spec["startCmd"]
     assert f"--jupyter-path {template.JUPYTER_DIR}" in spec["startCmd"]
@@ -68,6 +77,43 @@ def test_kernel_specs_are_written_afresh(tmp_path) -> None:
     assert "{connection_file}" in deno["argv"] and deno["env"]["NO_COLOR"] == "1"
     bash = json.loads((jupyter / "kernels/bash/kernel.json").read_text())
     assert bash["argv"][:3] == ["python3", "-m", "bash_kernel"]
+    ir = json.loads((jupyter / "kernels/ir/kernel.json").read_text())
+    assert ir["argv"][:4] == ["R", "--slave", "-e", "IRkernel::main()"]
     # the server's languages reach these specs
-    assert {KERNEL_SPECS[lang] for lang in ("javascript", "typescript", "bash")} \
+    assert {KERNEL_SPECS[lang] for lang in ("javascript", "typescript", "bash", "r")} \
         == set(template.KERNELS)
+
+
+def test_key_follows_the_debian_packages(monkeypatch) -> None:
+    before = interpreter_template.key()
+    monkeypatch.setattr(template, "DEBIAN_PACKAGES", (*template.DEBIAN_PACKAGES, "r-cran-dplyr"))
+    assert interpreter_template.key() != before
+
+
+def test_apt_installs_from_the_laid_directory_only() -> None:
+    cmd = template.apt_install_cmd()
+    assert f"deb [trusted=yes] file:{template.DEBS_DIR} ./" in cmd
+    # the guest's own sources and lists are not used nor changed, and the repository goes
+    assert "Dir::Etc::SourceParts=-" in cmd and "Dir::State::Lists=/tmp/" in cmd
+    assert "--no-install-recommends r-base-core r-cran-irkernel" in cmd
+    assert cmd.endswith(f"rm -rf /tmp/aenv-apt-lists {template.DEBS_DIR}")
+
+
+@pytest.mark.skipif(shutil.which("dpkg-deb") is None, reason="needs dpkg-deb")
+def test_packages_index_entry_is_what_apt_reads(tmp_path) -> None:
+    """A stanza of the flat repository's index: the package's control fields, then its
+    file (relative to the repository), size and SHA-256."""
+    root = tmp_path / "pkg"
+    (root / "DEBIAN").mkdir(parents=True)
+    (root / "DEBIAN/control").write_text(
+        "Package: aenv-probe\nVersion: 1.0\nArchitecture: all\nMaintainer: t <t@t>\n"
+        "Description: probe\n")
+    deb = tmp_path / "aenv-probe_1.0_all.deb"
+    subprocess.run(["dpkg-deb", "-Zgzip", "--build", str(root), str(deb)], check=True,
+                   capture_output=True)
+    entry = interpreter_template._index_entry(deb)
+    fields = dict(line.split(": ", 1) for line in entry.strip().splitlines())
+    assert (fields["Package"], fields["Version"]) == ("aenv-probe", "1.0")
+    assert fields["Filename"] == "./aenv-probe_1.0_all.deb"
+    assert int(fields["Size"]) == deb.stat().st_size
+    assert fields["SHA256"] == hashlib.sha256(deb.read_bytes()).hexdigest()

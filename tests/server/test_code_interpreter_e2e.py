@@ -126,8 +126,42 @@ def test_bash_javascript_and_typescript_kernels(interpreter_template, module_sdk
         assert (ex.error, ex.text) == (None, "80"), ex  # one Deno kernel for both
         err = sbx.run_code("throw new TypeError('bad')", language="javascript").error
         assert err is not None and (err.name, err.value) == ("TypeError", "bad"), err
-        with pytest.raises(Exception, match="no kernel for language 'r'"):
-            sbx.run_code("1", language="r")
+        with pytest.raises(Exception, match="no kernel for language 'java'"):
+            sbx.run_code("1", language="java")
+    finally:
+        sbx.kill()
+
+
+@pytest.mark.timeout(900)
+def test_r_kernel(interpreter_template, module_sdk) -> None:
+    """language="r": IRkernel on Debian's R, installed by the template's apt step, started
+    on first use as the template's user. IRkernel sends a value as display_data (so, as
+    with E2B's server, a result that is not the main one: ``Execution.text`` stays None)."""
+    sbx = Sandbox.create()
+    try:
+        ex = sbx.run_code("x <- 1+1; x", language="r", timeout=600)
+        assert ex.error is None, ex
+        assert [r.text for r in ex.results] == ["[1] 2"], ex
+        assert "html" in ex.results[0].formats()
+        # state kept between cells, stdout and stderr, the user and the directory
+        ex = sbx.run_code('print(x * 21); message("to stderr"); '
+                          'c(Sys.info()[["user"]], getwd())', language="r")
+        assert ex.logs.stdout == ["[1] 42\n"] and "to stderr" in "".join(ex.logs.stderr), ex
+        assert [r.text for r in ex.results] == ['[1] "user"       "/home/user"'], ex
+        # an R error becomes the execution's error, and the context stays usable
+        ex = sbx.run_code('stop("bad value")', language="r")
+        assert ex.error is not None and "bad value" in ex.error.value, ex
+        assert ex.error.name == "ERROR" and "stop(" in ex.error.traceback, ex.error
+        # envs for one run
+        ex = sbx.run_code('Sys.getenv("AENV_R_VAR")', language="r", envs={"AENV_R_VAR": "v 1"})
+        assert [r.text for r in ex.results] == ['[1] "v 1"'], ex
+        ex = sbx.run_code('c(Sys.getenv("AENV_R_VAR", "unset"), x)', language="r")
+        assert [r.text for r in ex.results] == ['[1] "unset" "2"    '], ex
+        # a context of its own starts without x
+        ctx = sbx.create_code_context(language="r")
+        assert ctx.language == "r"
+        err = sbx.run_code("x", context=ctx, timeout=600).error
+        assert err is not None and "'x' not found" in err.value, err
     finally:
         sbx.kill()
 
