@@ -21,7 +21,8 @@ of them:
   the aenv server's own (TTL loop, proxy, metrics) over the same window; ``host_busy_pct``
   the whole host's, which includes other sessions' work.
 - ``answers``: afterwards, one by one, ``commands.run("true")`` in each sandbox; how many
-  answered within 2 s, and their latency.
+  answered within 2 s, and their latency; ``pss_after_one_command_mib``: the VMMs' PSS
+  again after that (what a sandbox that did a little holds).
 
 A sandbox's VMM is the process its record names (``vm_pid`` in the node's store, read only)
 or the one running in its directory; VMMs under the VM directory that no sandbox holds
@@ -184,6 +185,7 @@ async def _measure(srv: VMServer, args: argparse.Namespace) -> dict[str, Any]:
         ms_per_s = {p: (after[p] - before[p]) * 1000 / TICK / wall for p in watched}
         mem = {p: {**rollup_kib(p), "guest": guest_written_kib(p)} for p in [*mine, *others]}
         ran = await answers(sandboxes)
+        used = {p: rollup_kib(p) for p in mine if os.path.exists(f"/proc/{p}")}
     finally:
         await asyncio.gather(*(s.kill() for s in sandboxes), return_exceptions=True)
     pss = [mem[p]["Pss"] / 1024 for p in mine]
@@ -200,6 +202,13 @@ async def _measure(srv: VMServer, args: argparse.Namespace) -> dict[str, Any]:
                           "guest_ram_written_mean": round(sum(guest) / len(guest), 1),
                           "vmm_own_mean": round((sum(anon) - sum(guest)) / len(anon), 1),
                           "spread": summary(anon)},
+        # The same VMMs once each ran its one command: under TCG the translation cache
+        # grows with the code a guest runs (up to the driver's tb-size), so an idle
+        # sandbox that did something holds more than a fresh one.
+        "pss_after_one_command_mib": {
+            "per_sandbox_mean": round(sum(u["Pss"] for u in used.values()) / 1024
+                                      / max(len(used), 1), 1),
+            "n": len(used)},
         "cpu_ms_per_s": {"per_sandbox_mean": round(sum(cpu) / len(cpu), 2),
                          "sum": round(sum(cpu), 1), "spread": summary(cpu),
                          "server": round(ms_per_s[srv.proc.pid], 2)},
