@@ -13,6 +13,7 @@ suite's leak guard sees them.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 import signal
@@ -157,15 +158,19 @@ async def test_the_pool_never_holds_more_guest_memory_than_its_budget(
 
 
 async def test_a_pooled_vmm_killed_with_sigkill_is_discarded_and_the_next_take_works(
-        template, slot_pool, pool_dir) -> None:
+        template, slot_pool, pool_dir, caplog) -> None:
     pool = make_pool(slot_pool, pool_dir)
     try:
         first = await pool.fill_one(template)
         await pool.fill_one(template)
         os.kill(first.pre.process.pid, signal.SIGKILL)
         await until(lambda: not first.pre.is_alive(), 10, "the VMM to die")
-        await run_taken(pool, template)  # takes the live one, after discarding the dead
+        with caplog.at_level(logging.WARNING, logger="aenv.runtime"):
+            await run_taken(pool, template)  # takes the live one, after discarding the dead
         assert pool.stats["dead"] == 1
+        # how it ended is logged, with what its log says
+        assert any(first.pre.vm_id in r.getMessage() and "killed by SIGKILL" in r.getMessage()
+                   for r in caplog.records)
         assert not first.workdir.exists()
         # With none left the caller restores as usual.
         assert await pool.take(template) is None
