@@ -181,6 +181,9 @@ class CopyLayer:
     key: str = ""
 
 
+COPY_FAMILY = f"{BASE_NAME}+copy"  # base_image_with's images: <COPY_FAMILY>-<hash>
+
+
 class NotLayerable(ImageError):
     """A COPY the host cannot lay as the guest would (its entry is no directory, or its
     destination exists in the base tree): the build runs it in the guest instead."""
@@ -201,7 +204,7 @@ def base_image_with(
     tree_key = _base_tree_key(packages)
     parts = [{"archive": x.key or _file_digest(x.archive), "entry": x.entry, "dest": x.dest}
              for x in layers]
-    name = f"{BASE_NAME}+copy-{_sha256_json(parts)[:12]}"
+    name = f"{COPY_FAMILY}-{_sha256_json(parts)[:12]}"
     digest = _image_digest(
         name, {"kind": "debian-base-copy", "tree": tree_key, "layers": _sha256_json(parts)},
         kernel_flavor, kernel, True, None,
@@ -383,11 +386,15 @@ def image_users(settings: Settings, roots: Iterable[str] = ()) -> dict[str, list
 
 def superseded_images(settings: Settings, keep: int = 1) -> list[Image]:
     """Images older than the ``keep`` newest of the same name and kernel flavor (every
-    change to envd builds a new base image; the old ones only take space)."""
+    change to envd builds a new base image; the old ones only take space). The bases with
+    COPY steps laid in (``base_image_with``, named ``base+copy-<hash of the layers>``) are
+    one family: each new set of files makes a new name, and an older one that no template
+    still reads is a cache entry a build lays again in seconds."""
     seen: dict[tuple[str, str], int] = {}
     old = []
     for image in list_images(settings):
-        key = (image.name, image.kernel_flavor)
+        family = COPY_FAMILY if image.name.startswith(COPY_FAMILY + "-") else image.name
+        key = (family, image.kernel_flavor)
         seen[key] = seen.get(key, 0) + 1
         if seen[key] > keep:
             old.append(image)

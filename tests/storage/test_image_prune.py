@@ -110,3 +110,21 @@ def test_an_image_a_template_record_names_is_kept(settings: Settings,
     out = _prune()
     assert f"kept, still used by a record naming image:{old.digest[:12]}" in out, out
     assert _digests(settings) == {old.digest, new.digest}
+
+
+def test_bases_with_laid_copies_are_one_family(settings: Settings, tmp_path: Path) -> None:
+    """``base+copy-<hash>`` images (a build's COPY steps laid into the base) each have a
+    name of their own; the older ones are superseded by the newest, and kept while used."""
+    src = tmp_path / "src"
+    (src / "etc").mkdir(parents=True)
+    made = []
+    for i in range(3):
+        (src / "etc/v").write_text(str(i))
+        made.append(build_image(settings, f"base+copy-{i:012d}", src, guest_layer=False,
+                                size_bytes=32 * ext4.MiB))
+    used, unused, newest = made
+    _overlay(settings.snapshots_dir / "tpl" / "rootfs.qcow2", used.path)
+    out = _prune()
+    assert f"{used.digest[:12]} cloud: kept, still used by snapshot tpl" in out, out
+    assert f"{unused.digest[:12]} cloud\n" in out
+    assert _digests(settings) == {used.digest, newest.digest}
