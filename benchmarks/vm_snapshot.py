@@ -53,7 +53,7 @@ from aenv.storage import snapshots
 from aenv.storage.disks import create_disk
 from aenv.storage.images import ensure_base_image
 from aenv.storage.kernel import ensure_kernel
-from benchmarks._common import emit, private_settings, summary
+from benchmarks._common import emit, phase_summaries, private_settings, summary
 
 GOALS = {"resume_healthy_p50_ms": 250, "pause_total_p50_ms": 300, "fork16_all_ready_p50_ms": 3000,
          "restore_ratio_2g_256m": 1.3, "marginal_anonymous_mib_per_child": 50}
@@ -313,6 +313,7 @@ class Bench:
             out[f"{size}mib"] = {"freeze_ms": summary([r["freeze_ms"] for r in rows]),
                                  "total_ms": summary([r["total_ms"] for r in rows]),
                                  "memory_written_mib": [r["memory_mib"] for r in rows],
+                                 "phases_ms": phase_summaries([r["phases_ms"] for r in rows]),
                                  "phases_ms_last": rows[-1]["phases_ms"]}
         return out
 
