@@ -138,7 +138,8 @@ def test_the_gateway_reports_both_nodes(cluster: Cluster) -> None:
         assert [(n["nodeID"], n["status"], n["url"]) for n in nodes] == [
             ("c1", "ready", cluster.nodes["c1"].url), ("c2", "ready", cluster.nodes["c2"].url)]
         c2 = c.get("/nodes/c2").json()
-        assert c2["sandboxes"] == {"running": 0, "paused": 0, "starting": 0}
+        assert c2["sandboxes"] == {"running": 0, "paused": 0, "starting": 0,
+                                  "queued": 0}
         # its budgets, as its admission applies them (host x overcommit), and their use
         cores = os.cpu_count() or 1   # x AENV_CPU_OVERCOMMIT, whatever its default
         assert c2["capacity"]["cpuCount"] >= cores and c2["capacity"]["cpuCount"] % cores == 0
@@ -196,7 +197,7 @@ def test_sandboxes_spread_over_both_nodes_and_work_through_the_gateway(
         with cluster.api() as c:
             assert c.post(f"/sandboxes/{b.sandbox_id}/pause").status_code == 204
             assert c.get(f"/nodes/{home}").json()["sandboxes"] == {
-                "running": 0, "paused": 1, "starting": 0}
+                "running": 0, "paused": 1, "starting": 0, "queued": 0}
         assert cluster.node_of(b.sandbox_id) == home
         b = Sandbox.connect(b.sandbox_id)
         assert b.commands.run("echo resumed").stdout.strip() == "resumed"
