@@ -12,9 +12,10 @@ ignored:
 - ``rules`` (header transforms, ``${e2b.secrets.<name>}`` placeholders) go to the same
   proxy; ``${e2b.identity.tokens.*}`` placeholders are refused (no workload identity).
 - ``allowPublicTraffic`` (create only) makes user ports ask for the traffic token.
-- ``dnsServers`` is validated (IPv4, at most 10). In E2B it only opens the firewall to those
-  servers when ``allowOut`` names a domain; here the proxy resolves names itself, so it
-  opens nothing.
+- ``dnsServers`` (IPv4, at most 10; left out: 8.8.8.8; ``[]``: none): when ``allowOut``
+  names a domain, port 53 to them passes the firewall; a proxied sandbox's UDP queries to
+  them are answered by the node (``aenv.egress.dns``). The guest's resolv.conf is not
+  touched. Read back as given; an update without it resets it to the default.
 - ``maskRequestHost`` (create only) is the Host header the proxy sends to user ports,
   ``${PORT}`` replaced by the port (envd's port is never masked).
 - ``egressProxy`` (SOCKS5 upstream) and ``httpsPorts`` are refused: tunnelling through a
@@ -30,13 +31,12 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 
 from ..network.errors import PolicyError
-from ..network.policy import EgressPolicy, header_rules
+from ..network.policy import MAX_DNS_SERVERS, EgressPolicy, header_rules
 from .errors import ApiError
 from .models import NetworkConfig, NetworkUpdate
 
 router = APIRouter()
 
-MAX_DNS_SERVERS = 10
 _UNSUPPORTED = {
     "egressProxy": "tunnelling egress through a SOCKS5 proxy",
     "httpsPorts": "TLS to sandbox ports",

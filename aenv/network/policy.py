@@ -14,6 +14,12 @@ enforced by the node's egress proxy (``aenv.egress``): a policy with any of them
 proxy decides by the HTTP Host or TLS SNI name with ``decide_name``. Everything else the
 guest sends stays under the CIDR rules above.
 
+``dns_servers`` (E2B's ``dnsServers``, default ``8.8.8.8``, may be empty) are the resolvers
+the guest may ask when ``allow_out`` names a domain: port 53 (UDP and TCP) to them passes
+the CIDR rules (``dns_opened``). A proxied slot answers the guest's UDP queries to them
+itself (the node's DNS, consistent with the proxy); queries to any other address follow
+the CIDR rules like any packet.
+
 That is the slot's part. Whatever the policy allows, the host table (``rulesets``) then
 refuses every address of the host itself, the gateways of the namespace aenv runs in (the
 outer host when aenv runs in a container) and the metadata addresses once more, so no
@@ -54,6 +60,10 @@ METADATA_ADDRESSES: tuple[str, ...] = (
     "100.100.100.200/32",
 )
 
+
+# E2B's default for ``dnsServers``: what the guest's /etc/resolv.conf names.
+DEFAULT_DNS_SERVERS: tuple[str, ...] = ("8.8.8.8",)
+MAX_DNS_SERVERS = 10
 
 _LABEL = re.compile(r"^[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?$")
 
@@ -115,6 +125,21 @@ def _normalise(entries: Iterable[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _dns(servers: Iterable[str]) -> tuple[str, ...]:
+    out: list[str] = []
+    for raw in servers:
+        entry = str(raw).strip()
+        try:
+            ip = ipaddress.IPv4Address(entry)
+        except ValueError:
+            raise PolicyError(entry, "a DNS server is an IPv4 address") from None
+        if str(ip) not in out:
+            out.append(str(ip))
+    if len(out) > MAX_DNS_SERVERS:
+        raise PolicyError(",".join(out), f"at most {MAX_DNS_SERVERS} DNS servers")
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class HeaderRule:
     """``rules[pattern]`` of a create: the headers its transforms set, in order (a later
@@ -132,17 +157,20 @@ class EgressPolicy:
     allow_domains: tuple[str, ...] = ()
     deny_domains: tuple[str, ...] = ()
     rules: tuple[HeaderRule, ...] = ()
+    dns_servers: tuple[str, ...] = DEFAULT_DNS_SERVERS
 
     @classmethod
     def build(cls, allow_out: Iterable[str] = (), deny_out: Iterable[str] = (),
               allow_internet: bool = True,
-              rules: Iterable[HeaderRule] = ()) -> EgressPolicy:
+              rules: Iterable[HeaderRule] = (),
+              dns_servers: Iterable[str] | None = None) -> EgressPolicy:
         """Validated and normalised (``1.2.3.4`` becomes ``1.2.3.4/32``, names lower
-        case); raises PolicyError."""
+        case; ``dns_servers`` None is the default, 8.8.8.8); raises PolicyError."""
         allow_cidrs, allow_domains = _split(allow_out)
         deny_cidrs, deny_domains = _split(deny_out)
         return cls(_normalise(allow_cidrs), _normalise(deny_cidrs), bool(allow_internet),
-                   allow_domains, deny_domains, tuple(rules))
+                   allow_domains, deny_domains, tuple(rules),
+                   DEFAULT_DNS_SERVERS if dns_servers is None else _dns(dns_servers))
 
     @property
     def is_default(self) -> bool:
@@ -152,6 +180,12 @@ class EgressPolicy:
     def needs_proxy(self) -> bool:
         """Names or transforms: the guest's HTTP(S) must go through the egress proxy."""
         return bool(self.allow_domains or self.deny_domains or self.rules)
+
+    @property
+    def dns_opened(self) -> tuple[str, ...]:
+        """The resolvers port 53 is open to whatever the CIDR rules say: ``dns_servers``
+        when ``allow_out`` names a domain (E2B), else none."""
+        return self.dns_servers if self.allow_domains else ()
 
     @property
     def deny_by_default(self) -> bool:

@@ -42,7 +42,8 @@ _REJECT = "reject with icmpx type admin-prohibited"
 # guest's TCP 80 and 443 are redirected there when its policy ``needs_proxy``.
 EGRESS_PORT = 15080
 PROXIED_PORTS = (80, 443)
-EGRESS_DNS_PORT = 15053  # and its UDP 53, to the proxy's DNS on the same address
+# and its UDP 53 to its ``dns_servers``, to the proxy's DNS on the same address
+EGRESS_DNS_PORT = 15053
 # The sandbox's own volume NFS server (``aenv.storage.volume_server``) on the tap address.
 VOLUME_NFS_PORT = 2049
 
@@ -104,6 +105,9 @@ def host_table(a: Addressing, refused: Iterable[str] = (), server_mark: int | No
 
 def _user_rules(policy: EgressPolicy) -> list[str]:
     rules = []
+    if policy.dns_opened:  # before any deny: E2B opens them whatever else the lists say
+        rules.append(f"ip daddr {_set(policy.dns_opened)} meta l4proto {{ tcp, udp }} "
+                     "th dport 53 accept")
     if policy.allow_out:
         rules.append(f"ip daddr {_set(policy.allow_out)} accept")
     if policy.deny_out:
@@ -153,10 +157,13 @@ def _redirect_rules(policy: EgressPolicy) -> list[str]:
     if not policy.needs_proxy:
         return []
     ports = ", ".join(str(p) for p in PROXIED_PORTS)
-    return [f'iifname "{TAP_NAME}" ip saddr {GUEST_IP} tcp dport {{ {ports} }} '
-            f"redirect to :{EGRESS_PORT}",
-            f'iifname "{TAP_NAME}" ip saddr {GUEST_IP} udp dport 53 '
-            f"redirect to :{EGRESS_DNS_PORT}"]
+    rules = [f'iifname "{TAP_NAME}" ip saddr {GUEST_IP} tcp dport {{ {ports} }} '
+             f"redirect to :{EGRESS_PORT}"]
+    if policy.dns_servers:  # the node answers the guest's resolvers (not other addresses)
+        rules.append(f'iifname "{TAP_NAME}" ip saddr {GUEST_IP} '
+                     f"ip daddr {_set(policy.dns_servers)} udp dport 53 "
+                     f"redirect to :{EGRESS_DNS_PORT}")
+    return rules
 
 
 def policy_update(a: Addressing, policy: EgressPolicy) -> str:

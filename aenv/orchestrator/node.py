@@ -110,7 +110,7 @@ def egress_policy(rec: SandboxRecord) -> EgressPolicy:
         return EgressPolicy.build(
             allow_out=net.get("allowOut") or (), deny_out=net.get("denyOut") or (),
             allow_internet=rec.allow_internet is not False,
-            rules=header_rules(net.get("rules")))
+            rules=header_rules(net.get("rules")), dns_servers=net.get("dnsServers"))
     except ValueError as e:
         raise InvalidRequest(f"invalid network policy: {e}") from e
 

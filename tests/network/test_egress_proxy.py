@@ -39,7 +39,7 @@ from aenv.network.policy import DEFAULT_POLICY, EgressPolicy, header_rules
 from aenv.store.secrets import SecretsUnavailable
 
 from .egress_world import Guest, Internet
-from .helpers import make_settings
+from .helpers import Listener, blocked, connect, make_settings
 
 pytestmark = pytest.mark.net
 
@@ -330,30 +330,63 @@ def test_names_without_deny_by_default_follow_the_cidr_rules(world: World) -> No
         world.slot.set_policy(DEFAULT_POLICY)
 
 
+def _resolve(w: World, name: str, qtype: int = 1, server: str = "8.8.8.8"
+             ) -> tuple[int, list[str]]:
+    """(rcode, A records) of the guest's UDP query for ``name`` to ``server``:53."""
+    labels = b"".join(bytes([len(p)]) + p.encode() for p in name.split(".")) + b"\0"
+    q = struct.pack("!HHHHHH", 7, 0x0100, 1, 0, 0, 0) + labels + struct.pack("!HH", qtype, 1)
+
+    def go() -> bytes:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.settimeout(3)
+            s.connect((server, 53))  # connected: a reject comes back as an error
+            s.send(q)
+            return s.recv(4096)
+    out = w.guest_call(go)
+    count = struct.unpack("!H", out[6:8])[0]
+    start = len(q)
+    return struct.unpack("!H", out[2:4])[0] & 0xF, [
+        ".".join(str(b) for b in out[start + 16 * i + 12:start + 16 * i + 16])
+        for i in range(count)]
+
+
 def test_the_guests_dns_agrees_with_the_policy(proxied: World) -> None:
-    """Whatever server the guest asks (its resolver is 8.8.8.8), the node answers: an
-    allowed name with the address the proxy would dial, a refused one NXDOMAIN."""
-    def resolve(name: str, qtype: int = 1) -> tuple[int, list[str]]:
-        labels = b"".join(bytes([len(p)]) + p.encode() for p in name.split(".")) + b"\0"
-        q = struct.pack("!HHHHHH", 7, 0x0100, 1, 0, 0, 0) + labels + struct.pack("!HH", qtype, 1)
+    """The guest's resolver (8.8.8.8, the default ``dnsServers``) is answered by the node:
+    an allowed name with the address the proxy would dial, a refused one NXDOMAIN."""
+    assert _resolve(proxied, "allowed.aes.test") == (0, [INET_IP])
+    assert _resolve(proxied, "a.wild.aes.test") == (0, [INET_IP])
+    assert _resolve(proxied, "denied.aes.test") == (3, [])
+    assert _resolve(proxied, "wild.aes.test") == (3, [])
+    assert _resolve(proxied, "allowed.aes.test", qtype=28) == (0, [])
 
-        def go() -> bytes:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                s.settimeout(5)
-                s.sendto(q, ("8.8.8.8", 53))
-                return s.recv(4096)
-        out = proxied.guest_call(go)
-        count = struct.unpack("!H", out[6:8])[0]
-        start = len(q)
-        return struct.unpack("!H", out[2:4])[0] & 0xF, [
-            ".".join(str(b) for b in out[start + 16 * i + 12:start + 16 * i + 16])
-            for i in range(count)]
 
-    assert resolve("allowed.aes.test") == (0, [INET_IP])
-    assert resolve("a.wild.aes.test") == (0, [INET_IP])
-    assert resolve("denied.aes.test") == (3, [])
-    assert resolve("wild.aes.test") == (3, [])
-    assert resolve("allowed.aes.test", qtype=28) == (0, [])
+def test_dns_servers_are_the_only_resolvers_a_named_policy_opens(world: World) -> None:
+    """``dnsServers`` with a domain in ``allowOut``: port 53 of the listed servers passes
+    a deny-all (TCP here, to a listener in the "internet"), UDP queries to them are
+    answered by the node, and any other resolver (8.8.8.8 here) is refused; ``[]``
+    opens none."""
+    dns_tcp = Listener(world.inet.netns, INET_IP, 53, "dns")
+    try:
+        world.slot.set_policy(EgressPolicy.build(
+            allow_out=["allowed.aes.test"], deny_out=["0.0.0.0/0"], dns_servers=[INET_IP]))
+        assert connect(world.guest.netns, INET_IP, 53).startswith("dns ")
+        assert blocked(world.guest.netns, INET_IP, 8080)  # only port 53 of it
+        assert _resolve(world, "allowed.aes.test", server=INET_IP) == (0, [INET_IP])
+        assert _resolve(world, "denied.aes.test", server=INET_IP) == (3, [])
+        with pytest.raises(OSError):  # not listed: the deny-all refuses it, never leaves
+            _resolve(world, "allowed.aes.test", server="8.8.8.8")
+        world.slot.set_policy(EgressPolicy.build(
+            allow_out=["allowed.aes.test"], deny_out=["0.0.0.0/0"], dns_servers=[]))
+        assert blocked(world.guest.netns, INET_IP, 53)
+        with pytest.raises(OSError):
+            _resolve(world, "allowed.aes.test", server=INET_IP)
+        # Without a domain in allowOut the servers open nothing (E2B), CIDR rules rule.
+        world.slot.set_policy(EgressPolicy.build(
+            allow_out=["198.51.100.1"], deny_out=["0.0.0.0/0"], dns_servers=[INET_IP]))
+        assert blocked(world.guest.netns, INET_IP, 53)
+    finally:
+        world.slot.set_policy(DEFAULT_POLICY)
+        dns_tcp.close()
 
 
 def test_the_listener_goes_with_the_policy_that_needed_it(world: World) -> None:

@@ -73,3 +73,39 @@ def test_the_host_table_refuses_metadata_and_named_addresses_of_the_host():
     for cidr in ("169.254.169.254/32", "192.0.2.1/32", "198.51.100.0/24"):
         assert cidr in refused
     assert 'iifname "aenv-v*" ip daddr @refused reject' in table
+
+
+def test_dns_servers_default_to_8_8_8_8_and_may_be_none():
+    assert EgressPolicy.build().dns_servers == ("8.8.8.8",)
+    assert EgressPolicy.build(dns_servers=[]).dns_servers == ()
+    assert EgressPolicy.build(dns_servers=["1.1.1.1", "1.1.1.1"]).dns_servers == ("1.1.1.1",)
+    with pytest.raises(PolicyError):
+        EgressPolicy.build(dns_servers=["dns.example.com"])
+
+
+def test_dns_servers_open_port_53_only_when_allow_out_names_a_domain():
+    a = _addressing()
+    by_cidr = EgressPolicy.build(allow_out=["1.1.1.1"], deny_out=["0.0.0.0/0"])
+    assert by_cidr.dns_opened == ()
+    assert "dport 53 accept" not in rulesets.policy_update(a, by_cidr)
+    named = EgressPolicy.build(allow_out=["example.com"], deny_out=["0.0.0.0/0"],
+                               dns_servers=["1.1.1.1", "9.9.9.9"])
+    rules = [r for r in rulesets.policy_update(a, named).splitlines()
+             if " egress_user " in r]
+    # Before the deny: E2B opens them whatever the lists say.
+    assert rules[0] == ("add rule inet aenv egress_user ip daddr { 1.1.1.1/32, 9.9.9.9/32 } "
+                        "meta l4proto { tcp, udp } th dport 53 accept")
+    assert "0.0.0.0/0" in rules[1]
+    none = EgressPolicy.build(allow_out=["example.com"], deny_out=["0.0.0.0/0"], dns_servers=[])
+    assert "dport 53" not in rulesets.policy_update(a, none).replace("udp dport 53 redirect", "")
+
+
+def test_a_proxied_slot_answers_dns_to_its_servers_only():
+    a = _addressing()
+    named = EgressPolicy.build(allow_out=["example.com"], dns_servers=["10.0.0.53"])
+    redirect = [r for r in rulesets.policy_update(a, named).splitlines()
+                if "udp dport 53" in r]
+    assert len(redirect) == 1 and "ip daddr { 10.0.0.53/32 } udp dport 53 redirect" in \
+        redirect[0]
+    silent = EgressPolicy.build(allow_out=["example.com"], dns_servers=[])
+    assert "udp dport 53" not in rulesets.policy_update(a, silent)
