@@ -26,6 +26,7 @@ import aenv
 from aenv.guest import base as base_recipe
 from aenv.interpreter import template
 from aenv.storage import debian
+from aenv.storage.errors import StorageError
 
 from .dockerfile import Recipe, parse_dockerfile
 
@@ -146,8 +147,13 @@ def _stage_debs(context: Path, cache: Path) -> None:
     if shutil.which("apt-get") is None:
         raise RuntimeError("staging the code interpreter's R kernel needs apt-get (a Debian "
                            "or Ubuntu host, as ./scripts/setup.sh expects)")
-    packages = debian.closure(template.DEBIAN_PACKAGES, beside=base_recipe.BASE_PACKAGES)
-    files = debian.download(packages, cache)
+    try:
+        packages = debian.closure(template.DEBIAN_PACKAGES,
+                                  beside=base_recipe.BASE_PACKAGES)
+        files = debian.download(packages, cache)
+    except StorageError as e:
+        raise RuntimeError(f"downloading the code interpreter's Debian packages failed: {e}"
+                           ) from e
     work = Path(tempfile.mkdtemp(prefix=".debs-", dir=context))
     try:
         work.chmod(0o755)

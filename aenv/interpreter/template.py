@@ -16,14 +16,13 @@ the guest needs no Node.js or native zeromq build). Their kernel specs (``KERNEL
 before the snapshot with python's (a kernel start costs 20-30 s under TCG, its memory a few
 tens of MB); Deno's, larger, starts on first use (about 25 s under TCG).
 
-``r`` is IRkernel on Debian's R (``DEBIAN_PACKAGES``: r-base-core and r-cran-irkernel, with
-the dependencies the ``base`` image lacks). Their ``.deb`` files are downloaded on the host
-with apt (cached beside the build context) and COPYed with a ``Packages`` index to
+``r`` is IRkernel on Debian's R and ``java`` JJava (IJava's maintained successor, a JShell
+kernel; its wheel on PyPI carries the jars) on Debian's OpenJDK 17 (``DEBIAN_PACKAGES``,
+with the dependencies the ``base`` image lacks). Their ``.deb`` files are downloaded on the
+host with apt (cached beside the build context) and COPYed with a ``Packages`` index to
 ``DEBS_DIR``, laid on the host like the libraries; one RUN has the guest's own apt install
-them from that directory as a local repository (no network, maintainer scripts run as in any
-``apt-get install``) and delete it. R starts on first use (a few seconds under TCG). Java
-has no kernel on PyPI, npm or Debian (IJava ships on GitHub only): the server answers 400
-naming the installed kernels.
+them from that directory as a local repository (no network, maintainer scripts run as in
+any ``apt-get install``) and delete it. Both start on first use.
 
 The build (``aenv template build code-interpreter-v1``) starts the server as the template's
 user in ``/home/user`` and snapshots it ready, so a create restores a running kernel.
@@ -53,9 +52,10 @@ PACKAGES = (
     "beautifulsoup4",
     "openpyxl",
     "bash_kernel",
+    "jjava==1.0a8",  # the java kernel (pre-releases only: pinned)
 )
 # Debian packages installed with the guest's apt from a local repository (see above).
-DEBIAN_PACKAGES = ("r-base-core", "r-cran-irkernel")
+DEBIAN_PACKAGES = ("r-base-core", "r-cran-irkernel", "openjdk-17-jdk-headless")
 DEBS_DIR = "/opt/aenv-interpreter/debs"
 # Deno (its Jupyter kernel runs JavaScript and TypeScript), pinned so the staged copy is
 # keyed by its version.
@@ -74,6 +74,12 @@ KERNELS: dict[str, dict[str, object]] = {
     # IRkernel's own spec (``IRkernel::installspec()`` writes this; Debian ships none)
     "ir": {"argv": ["R", "--slave", "-e", "IRkernel::main()", "--args", "{connection_file}"],
            "display_name": "R", "language": "R"},
+    # JJava's own spec with its jars where pip put them; C1 only and the serial collector
+    # (the launcher passes JJAVA_JVM_OPTS on): a JVM's start-up under TCG is mostly JIT work
+    "java": {"argv": ["java", "-jar", f"{SITE}/share/jupyter/kernels/java/jjava-launcher.jar",
+                      f"{SITE}/share/jupyter/kernels/java/jjava.jar", "{connection_file}"],
+             "display_name": "Java", "language": "java", "interrupt_mode": "message",
+             "env": {"JJAVA_JVM_OPTS": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"}},
 }
 # manylinux tags the guest's glibc (bookworm: 2.36) runs, newest first.
 PLATFORMS = tuple(f"{tag}_x86_64" for tag in (
@@ -100,7 +106,11 @@ def apt_install_cmd() -> str:
     lists = "/tmp/aenv-apt-lists"
     opts = (f"-o Dir::Etc::SourceList={DEBS_DIR}/sources.list -o Dir::Etc::SourceParts=-"
             f" -o Dir::State::Lists={lists} -o APT::Get::List-Cleanup=0")
-    return (f"mkdir -p {lists}/partial"
+    # man1: the base image keeps no manual pages, but OpenJDK's update-alternatives link
+    # one there and fail without the directory. dpkg's unsafe-io: no fsync per file (the
+    # build syncs the disk before it becomes the template).
+    opts += " -o Dpkg::Options::=--force-unsafe-io"
+    return (f"mkdir -p {lists}/partial /usr/share/man/man1"
             f" && echo 'deb [trusted=yes] file:{DEBS_DIR} ./' > {DEBS_DIR}/sources.list"
             f" && apt-get -qq {opts} update"
             f" && DEBIAN_FRONTEND=noninteractive apt-get -q -y {opts} install"

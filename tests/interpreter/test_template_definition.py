@@ -48,7 +48,7 @@ def test_pip_targets_the_guest_python_with_wheels_only(tmp_path) -> None:
     assert "--only-binary=:all:" in cmd and cmd[cmd.index("--target") + 1] == str(
         tmp_path / "site")
     assert {"ipykernel>=6.29", "jupyter_client>=8.6", "numpy", "pandas",
-            "matplotlib", "bash_kernel"} <= set(cmd)
+            "matplotlib", "bash_kernel", "jjava==1.0a8"} <= set(cmd)
 
 
 def test_key_follows_the_definition(monkeypatch) -> None:
@@ -79,8 +79,13 @@ def test_kernel_specs_are_written_afresh(tmp_path) -> None:
     assert bash["argv"][:3] == ["python3", "-m", "bash_kernel"]
     ir = json.loads((jupyter / "kernels/ir/kernel.json").read_text())
     assert ir["argv"][:4] == ["R", "--slave", "-e", "IRkernel::main()"]
+    java = json.loads((jupyter / "kernels/java/kernel.json").read_text())
+    assert java["argv"][:2] == ["java", "-jar"] and java["argv"][-1] == "{connection_file}"
+    # the jars where pip puts the wheel's data files in the staged site
+    assert all(a.startswith(template.SITE + "/share/jupyter/kernels/java/")
+               for a in java["argv"][2:4])
     # the server's languages reach these specs
-    assert {KERNEL_SPECS[lang] for lang in ("javascript", "typescript", "bash", "r")} \
+    assert {KERNEL_SPECS[lang] for lang in ("javascript", "typescript", "bash", "r", "java")} \
         == set(template.KERNELS)
 
 
@@ -95,7 +100,7 @@ def test_apt_installs_from_the_laid_directory_only() -> None:
     assert f"deb [trusted=yes] file:{template.DEBS_DIR} ./" in cmd
     # the guest's own sources and lists are not used nor changed, and the repository goes
     assert "Dir::Etc::SourceParts=-" in cmd and "Dir::State::Lists=/tmp/" in cmd
-    assert "--no-install-recommends r-base-core r-cran-irkernel" in cmd
+    assert "--no-install-recommends r-base-core r-cran-irkernel openjdk-17" in cmd
     assert cmd.endswith(f"rm -rf /tmp/aenv-apt-lists {template.DEBS_DIR}")
 
 

@@ -126,8 +126,6 @@ def test_bash_javascript_and_typescript_kernels(interpreter_template, module_sdk
         assert (ex.error, ex.text) == (None, "80"), ex  # one Deno kernel for both
         err = sbx.run_code("throw new TypeError('bad')", language="javascript").error
         assert err is not None and (err.name, err.value) == ("TypeError", "bad"), err
-        with pytest.raises(Exception, match="no kernel for language 'java'"):
-            sbx.run_code("1", language="java")
     finally:
         sbx.kill()
 
@@ -162,6 +160,32 @@ def test_r_kernel(interpreter_template, module_sdk) -> None:
         assert ctx.language == "r"
         err = sbx.run_code("x", context=ctx, timeout=600).error
         assert err is not None and "'x' not found" in err.value, err
+    finally:
+        sbx.kill()
+
+
+@pytest.mark.timeout(900)
+def test_java_kernel(interpreter_template, module_sdk) -> None:
+    """language="java": JJava (a JShell kernel, from PyPI) on Debian's OpenJDK, installed
+    by the template's apt step, started on first use as the template's user."""
+    sbx = Sandbox.create()
+    try:
+        ex = sbx.run_code("int x = 1 + 1;", language="java", timeout=600)
+        assert ex.error is None and ex.results == [], ex
+        # state kept between cells; the last expression is the main result
+        ex = sbx.run_code('System.out.println("hi " + x); x * 21', language="java")
+        assert (ex.error, ex.text, ex.logs.stdout) == (None, "42", ["hi 2\n"]), ex
+        ex = sbx.run_code('System.err.println(System.getProperty("user.name") + " in " '
+                          '+ System.getProperty("user.dir"))', language="java")
+        assert ex.logs.stderr == ["user in /home/user\n"], ex
+        # a runtime exception and a compile error become the execution's error
+        err = sbx.run_code('throw new IllegalStateException("bad")', language="java").error
+        assert err is not None and "IllegalStateException" in err.value, err
+        assert "bad" in err.value, err
+        err = sbx.run_code("undefinedVar", language="java").error
+        assert err is not None and err.name == "CompilationException", err
+        assert "cannot find symbol" in err.traceback, err
+        assert sbx.run_code("x", language="java").text == "2"
     finally:
         sbx.kill()
 
