@@ -239,6 +239,7 @@ class Server:
             envd_token=rec.envd_token, traffic_token=rec.traffic_token,
             public_traffic=(rec.network or {}).get("allowPublicTraffic") is not False,
             mask_host=(rec.network or {}).get("maskRequestHost"),
+            https_ports=frozenset((rec.network or {}).get("httpsPorts") or ()),
         )
 
     async def _signed_lookup(self, path: str, op: Operation, user: str | None, signature: str,

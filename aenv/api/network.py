@@ -18,8 +18,11 @@ ignored:
   touched. Read back as given; an update without it resets it to the default.
 - ``maskRequestHost`` (create only) is the Host header the proxy sends to user ports,
   ``${PORT}`` replaced by the port (envd's port is never masked).
-- ``egressProxy`` (SOCKS5 upstream) and ``httpsPorts`` are refused: tunnelling through a
-  user's proxy, and TLS to guest ports, this server does not do yet.
+- ``httpsPorts`` (create only): user ports whose service speaks TLS; the sandbox proxy
+  re-encrypts to them without verifying the certificate (``aenv.proxy.router``). envd's
+  port may not be listed.
+- ``egressProxy`` (SOCKS5 upstream) is refused: tunnelling through a user's proxy this
+  server does not do yet.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
+from ..envd import ENVD_PORT
 from ..network.errors import PolicyError
 from ..network.policy import MAX_DNS_SERVERS, EgressPolicy, header_rules
 from .errors import ApiError
@@ -39,7 +43,6 @@ router = APIRouter()
 
 _UNSUPPORTED = {
     "egressProxy": "tunnelling egress through a SOCKS5 proxy",
-    "httpsPorts": "TLS to sandbox ports",
 }
 
 
@@ -71,6 +74,22 @@ def _check_dns(servers: list[str] | None) -> None:
             raise ApiError(400, f"network.dnsServers: '{s}' is not an IPv4 address") from None
 
 
+def _check_https_ports(ports: list[int] | None) -> list[int] | None:
+    """Valid ports, without repeats, envd's refused (its TLS is the proxy's business)."""
+    if ports is None:
+        return None
+    out: list[int] = []
+    for port in ports:
+        if not 1 <= port <= 65535:
+            raise ApiError(400, f"network.httpsPorts: {port} is not a port")
+        if port == ENVD_PORT:
+            raise ApiError(400, f"network.httpsPorts: {ENVD_PORT} (envd's port) may not "
+                           "be listed")
+        if port not in out:
+            out.append(port)
+    return out
+
+
 def _check_policy(options: dict[str, Any]) -> None:
     """The allow/deny lists parse, before anything is made (a bad entry is the client's
     error, not a failed start)."""
@@ -92,6 +111,8 @@ def _checked(options: dict[str, Any], dns: list[str] | None) -> dict[str, Any]:
     _check_mask(options.get("maskRequestHost"))
     _check_dns(dns)
     _check_policy(options)
+    if "httpsPorts" in options:
+        options["httpsPorts"] = _check_https_ports(options["httpsPorts"])
     return options
 
 

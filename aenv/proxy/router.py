@@ -22,6 +22,10 @@ timeout", and an end-of-stream frame with an ``unavailable`` error gives that in
 too. The event is logged as one line, without a traceback. Before the status line is sent
 the client gets the 502 JSON above. WebSockets to a stopped sandbox are closed with 1011.
 
+A port the sandbox lists in ``httpsPorts`` is reached over TLS (HTTP and WebSocket),
+without verifying its certificate, as E2B's proxy does; the client's side is whatever it
+was (the public URL's scheme does not change).
+
 Paths: the proxy checks a path once and forwards exactly the bytes it checked
 (``upstream_path``). It never re-normalises them, so what envd routes is what was checked.
 Paths with a ``.`` or ``..`` segment (also percent-encoded) are refused with 404 on every
@@ -39,6 +43,7 @@ import hmac
 import logging
 import re
 import socket
+import ssl
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -76,6 +81,16 @@ _ENCODED_SEPARATOR = re.compile(rb"%(?:2e|2f|5c)", re.IGNORECASE)
 _PLAIN_PATH = re.compile(rb"^(?:[A-Za-z0-9._~!$&'()*+,;=:@/-]|%[0-9A-Fa-f]{2})*$")
 
 
+def _unverified_tls() -> ssl.SSLContext:
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
+_UNVERIFIED = _unverified_tls()
+
+
 def parse_host(host: str | None) -> tuple[int, str] | None:
     """``49983-abc123.example.com[:3000]`` -> (49983, "abc123")."""
     if not host:
@@ -99,6 +114,14 @@ class Route:
     # Requests go there with E2b-Sandbox-Id/-Port headers and the client's Host, the
     # node checks traffic tokens itself, and one connection pool serves the whole node.
     node: tuple[str, int] | None = None
+    # ``network.httpsPorts``: ports whose service speaks TLS; the proxy speaks TLS to them
+    # without verifying their certificate (E2B). The client's side is unchanged.
+    https_ports: frozenset[int] = frozenset()
+
+    def upstream_tls(self, port: int) -> bool:
+        """Whether the hop to ``port`` is TLS (a gateway's hop to a node never is: the
+        node makes it)."""
+        return self.node is None and port in self.https_ports
 
     @property
     def pool(self) -> str:
@@ -230,6 +253,8 @@ class ProxyRouter:
             self._closing.add(closing)
             closing.add_done_callback(self._closing.discard)
         client = plain_client(
+            # Only ``httpsPorts`` are https: their certificates are not verified (E2B).
+            verify=_UNVERIFIED,
             timeout=httpx.Timeout(None, connect=self.connect_timeout),
             limits=httpx.Limits(max_connections=256, max_keepalive_connections=32,
                                 keepalive_expiry=60),
@@ -330,7 +355,8 @@ class ProxyRouter:
         # ``path`` has no dot segments, so httpx does not normalise it; it only escapes
         # some bytes outside RFC 3986's path characters (none on envd's port, see above).
         ip, upstream_port = route.address(port)
-        url = httpx.URL(scheme="http", host=ip, port=upstream_port, path=path.decode("ascii"),
+        url = httpx.URL(scheme="https" if route.upstream_tls(port) else "http", host=ip,
+                        port=upstream_port, path=path.decode("ascii"),
                         query=scope.get("query_string") or None)
         headers = route.upstream_headers(scope, port)
         host = _header(scope, b"host")
@@ -408,7 +434,9 @@ class ProxyRouter:
         ip, upstream_port = route.address(port)
         host = _header(scope, b"host") if route.node else None
         authority = host or route.upstream_host(port) or f"{ip}:{upstream_port}"
-        uri = f"ws://{authority}{path.decode('ascii')}" + (f"?{query}" if query else "")
+        tls = route.upstream_tls(port)
+        uri = f"{'wss' if tls else 'ws'}://{authority}{path.decode('ascii')}" + \
+            (f"?{query}" if query else "")
         headers = [(k.decode(), v.decode()) for k, v in route.upstream_headers(scope, port)
                    if not k.startswith(b"sec-websocket")]
         subprotocols = scope.get("subprotocols") or None
@@ -418,8 +446,9 @@ class ProxyRouter:
             sock = await connect_socket(ip, upstream_port, timeout=self.connect_timeout)
             upstream = await websockets.connect(
                 uri, sock=sock, additional_headers=headers, subprotocols=subprotocols,
-                open_timeout=self.connect_timeout, max_size=None)
-        except (TimeoutError, OSError, websockets.InvalidHandshake):
+                open_timeout=self.connect_timeout, max_size=None,
+                ssl=_UNVERIFIED if tls else None)
+        except (TimeoutError, OSError, ssl.SSLError, websockets.InvalidHandshake):
             await send({"type": "websocket.close", "code": 1011})
             return
         live = self._websockets.setdefault(route.sandbox_id, set())

@@ -41,14 +41,16 @@ async def _no_sandbox(*_: object) -> str | None:
 
 
 @contextlib.asynccontextmanager
-async def serving_front(upstream_host: str, http: str,
+async def serving_front(upstream_host: str, http: str, *,
+                        https_ports: frozenset[int] = frozenset(),
                         **config: Any) -> AsyncIterator[tuple[int, ProxyRouter]]:
     """``Front`` (the API a 418 teapot, no sandbox hosts) under uvicorn with the ``http``
     implementation and ``config`` on a free port of 127.0.0.1, routing every sandbox to
-    ``upstream_host``: the port and the router."""
+    ``upstream_host`` (``https_ports`` its ``httpsPorts``): the port and the router."""
 
     async def lookup(sandbox_id: str) -> Route | None:
-        return Route(sandbox_id, upstream_host, "gen-1", "tok", None)
+        return Route(sandbox_id, upstream_host, "gen-1", "tok", None,
+                     https_ports=https_ports)
 
     router = ProxyRouter(RouteTable(lookup))
     port = free_port()
