@@ -86,7 +86,7 @@ def test_update_network_of_a_paused_sandbox_is_409_and_of_a_missing_one_404(sdk)
         "X": "${e2b.identity.tokens.aws}"}}}]}}, "rules"),
     ({"egressProxy": {"address": "proxy.example.com:1080"}}, "egressProxy"),
     ({"maskRequestHost": "bad host\r\nX: y"}, "maskRequestHost"),
-    ({"httpsPorts": [3000]}, "httpsPorts"),
+    ({"httpsPorts": [49983]}, "httpsPorts"),
     ({"dnsServers": ["not-an-ip"]}, "dnsServers"),
     ({"allowOut": ["not a name!"]}, "not a name!"),
 ])
@@ -152,5 +152,45 @@ def test_only_the_server_reaches_a_sandbox_host_address(sdk) -> None:
                                     (sbx.sandbox_id,)).fetchone()
         with pytest.raises(OSError):
             socket.create_connection((host_ip, 8080), timeout=3).close()
+    finally:
+        sbx.kill()
+
+
+TLS_SERVER = ("import http.server as h, ssl\n"
+              "class H(h.BaseHTTPRequestHandler):\n"
+              "    def do_GET(self):\n"
+              "        b = b'tls ' + self.headers.get('Host', '').encode()\n"
+              "        self.send_response(200); self.send_header('Content-Length', str(len(b)))\n"
+              "        self.end_headers(); self.wfile.write(b)\n"
+              "s = h.HTTPServer(('0.0.0.0', 8443), H)\n"
+              "c = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER); c.load_cert_chain('/tmp/tls.pem')\n"
+              "s.socket = c.wrap_socket(s.socket, server_side=True)\n"
+              "s.serve_forever()\n")
+
+
+def test_https_ports_reach_a_tls_server_in_the_sandbox_by_get_host(sdk, tmp_path) -> None:
+    """``https_ports``: the proxy speaks TLS to the guest's port 8443 (a self-signed
+    certificate nobody trusts) when the request names ``get_host(8443)``; the option is
+    read back as given."""
+    from aenv.egress.ca import EgressCA
+
+    cert, key = EgressCA(tmp_path / "ca").leaf("sandbox.invalid")
+    sbx = Sandbox.create("base", network={"https_ports": [8443]})
+    try:
+        with httpx.Client(base_url=sdk.url, headers={"X-API-KEY": sdk.api_key}) as c:
+            assert c.get(f"/sandboxes/{sbx.sandbox_id}").json()["network"]["httpsPorts"] == \
+                [8443]
+        sbx.files.write("/tmp/tls.pem", (cert + key).decode())
+        sbx.files.write("/tmp/tls_server.py", TLS_SERVER)
+        sbx.commands.run("python3 /tmp/tls_server.py", background=True)
+        host = sbx.get_host(8443)
+        with httpx.Client(base_url=sdk.url, headers={"Host": host}) as c:
+            for _ in range(150):
+                r = c.get("/")
+                if r.status_code == 200:
+                    break
+                time.sleep(0.2)
+        assert r.status_code == 200, r.text
+        assert r.text.startswith("tls ")
     finally:
         sbx.kill()
