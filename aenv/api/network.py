@@ -21,8 +21,9 @@ ignored:
 - ``httpsPorts`` (create only): user ports whose service speaks TLS; the sandbox proxy
   re-encrypts to them without verifying the certificate (``aenv.proxy.router``). envd's
   port may not be listed.
-- ``egressProxy`` (SOCKS5 upstream) is refused: tunnelling through a user's proxy this
-  server does not do yet.
+- ``egressProxy`` (SOCKS5, ``aenv.egress.socks``): every TCP connection the rules allow
+  goes through it, from the node; checked here (host:port, RFC 1929 lengths, ``tls``),
+  read back without ``password`` and ``caCert`` (``views``), set or cleared by an update.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
+from ..egress.socks import SocksProxy
 from ..envd import ENVD_PORT
 from ..network.errors import PolicyError
 from ..network.policy import MAX_DNS_SERVERS, EgressPolicy, header_rules
@@ -41,16 +43,23 @@ from .models import NetworkConfig, NetworkUpdate
 
 router = APIRouter()
 
-_UNSUPPORTED = {
-    "egressProxy": "tunnelling egress through a SOCKS5 proxy",
-}
-
-
-def _refuse_unsupported(options: dict[str, Any]) -> None:
-    for key, what in _UNSUPPORTED.items():
-        value = options.get(key)
-        if value:  # an empty map or list asks for nothing
-            raise ApiError(400, f"network.{key} ({what}) is not supported by this server")
+def _check_egress_proxy(options: dict[str, Any]) -> None:
+    raw = options.get("egressProxy")
+    if raw is None:
+        return
+    if not raw:  # an empty map asks for nothing
+        del options["egressProxy"]
+        return
+    try:
+        proxy = SocksProxy.from_option(raw)
+    except ValueError as e:
+        raise ApiError(400, f"network.egressProxy: {e}") from None
+    # Kept as E2B's fields (the SDK drops unknown keys; so does this).
+    kept = {k: raw[k] for k in ("address", "username", "password") if raw.get(k) is not None}
+    if proxy.tls:
+        kept["tls"] = {k: v for k, v in raw["tls"].items()
+                       if k in ("enabled", "serverName", "caCert") and v is not None}
+    options["egressProxy"] = kept
 
 
 _HOST_VALUE = re.compile(r"^[A-Za-z0-9._:\[\]${}-]{1,255}$")
@@ -107,7 +116,7 @@ def _check_policy(options: dict[str, Any]) -> None:
 
 
 def _checked(options: dict[str, Any], dns: list[str] | None) -> dict[str, Any]:
-    _refuse_unsupported(options)
+    _check_egress_proxy(options)
     _check_mask(options.get("maskRequestHost"))
     _check_dns(dns)
     _check_policy(options)

@@ -7,6 +7,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from ..egress.socks import public_option
 from ..envd.state import ENVD_VERSION
 from ..orchestrator.timing import host_side, server_timing
 from ..store import SandboxRecord, SandboxState
@@ -99,7 +100,15 @@ def detail(rec: SandboxRecord, domain: str) -> dict[str, Any]:
     if rec.envd_token:
         out["envdAccessToken"] = rec.envd_token
     if rec.network:
-        out["network"] = rec.network
+        out["network"] = public_network(rec.network)
     if rec.pause_mode and api_state(rec) == "paused":
         out["pauseMode"] = rec.pause_mode
     return out
+
+
+def public_network(network: dict[str, Any]) -> dict[str, Any]:
+    """A sandbox's ``network`` as it is read back: ``egressProxy`` without its password
+    and CA (spec part 2, 3.3)."""
+    if not network.get("egressProxy"):
+        return network
+    return {**network, "egressProxy": public_option(network["egressProxy"])}

@@ -25,6 +25,13 @@ guest never sees it. An unknown secret, or one that cannot be read, answers 502.
 The same slot's DNS (its UDP 53, redirected) is answered here too (``dns``): a refused
 name does not resolve, an allowed one resolves to the addresses the proxy would dial.
 
+A policy with an ``upstream`` (``egressProxy``) has all of the guest's TCP redirected here.
+80 and 443 are judged as above; any other port by the address the guest dialled, with
+the slot's CIDR rules (no byte is peeked: the server may speak first). What is allowed
+then goes through the SOCKS5 proxy (``socks.open_tunnel``), never straight out: a name an
+``allowOut`` domain matched as ATYP=domain (the proxy resolves it), anything else as the
+IPv4 address the node would have dialled. A proxy that fails fails the connection.
+
 Why a small asyncio proxy of our own rather than mitmproxy or Envoy: per-slot listeners
 in namespaces, peek-then-splice, and one policy lookup per connection are a few hundred
 lines here, against a second daemon with its own configuration channel and release train.
@@ -48,7 +55,8 @@ from typing import Any
 from prometheus_client import Counter
 
 from ..network.policy import EgressPolicy
-from . import dns, sniff
+from ..network.rulesets import PROXIED_PORTS
+from . import dns, sniff, socks
 from .ca import EgressCA
 
 log = logging.getLogger("aenv.egress")
@@ -63,6 +71,7 @@ PEEK_TIMEOUT_S = 10.0
 MAX_CONNECTIONS_PER_SLOT = 512
 CONNECT_TIMEOUT_S = 10.0
 _SO_ORIGINAL_DST = 80
+_NAMED_PORTS = frozenset(PROXIED_PORTS)  # judged by the name they carry
 # Accepted sockets a transport took over (it closes them).
 _TRANSPORTED: weakref.WeakSet[socket.socket] = weakref.WeakSet()
 _SECRET = re.compile(r"\$\{e2b\.secrets\.([^{}\s]+)\}")
@@ -300,6 +309,11 @@ class EgressProxy:
         dialled, port = original_destination(sock) or ("", 443)
         writer: asyncio.StreamWriter | None = None
         try:
+            now = policy()
+            if now.upstream is not None and port not in _NAMED_PORTS:
+                await self._tunnel_raw(sock, dialled, port, now)
+                CONNECTIONS.labels("served").inc()
+                return
             head = await _peek(sock, _sniff)
             if isinstance(head, sniff.RequestHead):
                 reader, writer = await _streams(sock)
@@ -345,8 +359,17 @@ class EgressProxy:
         DNS_QUERIES.labels("noerror").inc()
         transport.sendto(dns.answer(q, dns.NOERROR, found), addr)
 
+    async def _tunnel_raw(self, sock: socket.socket, dialled: str, port: int,
+                          policy: EgressPolicy) -> None:
+        """A port other than 80 and 443 of a sandbox with an upstream proxy: the dialled
+        address under the CIDR rules, then through the proxy as it is."""
+        if not dialled or self._refused(dialled) or not policy.ip_allowed(dialled):
+            raise Refused(f"{dialled}:{port}: not allowed by the sandbox's egress rules")
+        up = await self._connect([dialled], port, policy=policy)
+        await _splice(await _streams(sock), up)
+
     async def _upstream_addr(self, name: str, policy: EgressPolicy,
-                             dialled: str = "") -> list[str]:
+                             dialled: str = "", *, dial: bool = False) -> list[str]:
         verdict = policy.decide_name(name)
         if not verdict.allowed:
             # An address allowOut lists wins over a name nothing allows: the guest may
@@ -354,6 +377,8 @@ class EgressProxy:
             if dialled and policy.ip_listed(dialled) and not self._refused(dialled):
                 return [dialled]
             raise Refused(f"{name}: not allowed by the sandbox's egress rules")
+        if dial and verdict.explicit and policy.upstream is not None:
+            return []  # the upstream proxy resolves it (ATYP=domain), not the node
         addresses = [name] if _is_ip(name) else await self.resolver.resolve(name)
         ok = [a for a in addresses
               if not self._refused(a) and (verdict.explicit or policy.ip_allowed(a))]
@@ -361,8 +386,32 @@ class EgressProxy:
             raise Refused(f"{name}: no address it may reach ({', '.join(addresses) or 'none'})")
         return ok
 
-    async def _connect(self, addresses: list[str], port: int, *, tls_name: str | None = None
+    async def _connect(self, addresses: list[str], port: int, *, tls_name: str | None = None,
+                       policy: EgressPolicy | None = None, name: str = ""
                        ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """Upstream to ``port`` of the first of ``addresses`` that answers (TLS to
+        ``tls_name`` if given): straight, or through the policy's upstream proxy, where a
+        ``name`` an allowOut domain matched goes as the name."""
+        if policy is not None and policy.upstream is not None:
+            targets = [name] if name and not _is_ip(name) and \
+                policy.decide_name(name).explicit else addresses
+            failed: Exception | None = None
+            for target in targets:
+                try:
+                    reader, writer = await socks.open_tunnel(
+                        policy.upstream, target, port, refused=self._refused,
+                        timeout=CONNECT_TIMEOUT_S)
+                except socks.SocksError as e:
+                    failed = e
+                    continue
+                if tls_name:
+                    try:
+                        await writer.start_tls(self._upstream, server_hostname=tls_name)
+                    except BaseException:
+                        writer.close()
+                        raise
+                return reader, writer
+            raise Refused(f"through the sandbox's proxy to {targets}:{port}: {failed}")
         last: Exception | None = None
         for a in addresses:
             try:
@@ -403,7 +452,7 @@ class EgressProxy:
                 raise Refused("request without a Host")
             if head.target_host not in (None, name):
                 raise Refused(f"the request names {head.target_host}, its Host {name}")
-            addresses = await self._upstream_addr(name, policy, dialled)
+            addresses = await self._upstream_addr(name, policy, dialled, dial=True)
             headers = await self._headers(policy, name)
         except Refused as e:
             writer.write(_answer(403, "Forbidden", f"aenv egress: {e}"))
@@ -413,7 +462,7 @@ class EgressProxy:
             writer.write(_answer(502, "Bad Gateway", f"aenv egress: {e}"))
             await writer.drain()
             raise Refused(str(e)) from None
-        up = await self._connect(addresses, port)
+        up = await self._connect(addresses, port, policy=policy, name=name)
         up[1].write(head.render(headers, close=True))
         await _splice((reader, writer), up)
 
@@ -421,9 +470,9 @@ class EgressProxy:
                    policy: EgressPolicy, dialled: str = "") -> None:
         if not name:
             raise Refused("TLS without SNI to an unknown address")
-        addresses = await self._upstream_addr(name, policy, dialled)
+        addresses = await self._upstream_addr(name, policy, dialled, dial=True)
         if not policy.headers_for(name):
-            up = await self._connect(addresses, port)
+            up = await self._connect(addresses, port, policy=policy, name=name)
             await _splice(await _streams(sock), up)
             return
         # A transform: terminate, with a leaf of our CA for the SNI name.
@@ -452,7 +501,7 @@ class EgressProxy:
             writer.write(_answer(502, "Bad Gateway", f"aenv egress: {e}"))
             await writer.drain()
             raise Refused(str(e)) from None
-        up = await self._connect(addresses, port, tls_name=name)
+        up = await self._connect(addresses, port, tls_name=name, policy=policy, name=name)
         up[1].write(head.render(headers, close=True))
         await _splice((reader, writer), up)
 

@@ -20,6 +20,12 @@ the CIDR rules (``dns_opened``). A proxied slot answers the guest's UDP queries 
 itself (the node's DNS, consistent with the proxy); queries to any other address follow
 the CIDR rules like any packet.
 
+``upstream`` (E2B's ``egressProxy``, ``aenv.egress.socks``): a SOCKS5 proxy every TCP
+connection the policy allows goes through instead of straight out. Such a policy
+``needs_proxy`` too, and all of the guest's TCP is redirected to the node's egress proxy,
+which judges it first (names on 80 and 443, the CIDR rules elsewhere) and tunnels it
+after; nothing goes direct, and when the SOCKS proxy fails the connection does.
+
 That is the slot's part. Whatever the policy allows, the host table (``rulesets``) then
 refuses every address of the host itself, the gateways of the namespace aenv runs in (the
 outer host when aenv runs in a container) and the metadata addresses once more, so no
@@ -34,6 +40,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..egress.socks import SocksProxy
 from .errors import PolicyError
 
 # Refused unless allow_out names them (the guest must not wander into the host's networks).
@@ -158,19 +165,22 @@ class EgressPolicy:
     deny_domains: tuple[str, ...] = ()
     rules: tuple[HeaderRule, ...] = ()
     dns_servers: tuple[str, ...] = DEFAULT_DNS_SERVERS
+    upstream: SocksProxy | None = None
 
     @classmethod
     def build(cls, allow_out: Iterable[str] = (), deny_out: Iterable[str] = (),
               allow_internet: bool = True,
               rules: Iterable[HeaderRule] = (),
-              dns_servers: Iterable[str] | None = None) -> EgressPolicy:
+              dns_servers: Iterable[str] | None = None,
+              upstream: SocksProxy | None = None) -> EgressPolicy:
         """Validated and normalised (``1.2.3.4`` becomes ``1.2.3.4/32``, names lower
         case; ``dns_servers`` None is the default, 8.8.8.8); raises PolicyError."""
         allow_cidrs, allow_domains = _split(allow_out)
         deny_cidrs, deny_domains = _split(deny_out)
         return cls(_normalise(allow_cidrs), _normalise(deny_cidrs), bool(allow_internet),
                    allow_domains, deny_domains, tuple(rules),
-                   DEFAULT_DNS_SERVERS if dns_servers is None else _dns(dns_servers))
+                   DEFAULT_DNS_SERVERS if dns_servers is None else _dns(dns_servers),
+                   upstream)
 
     @property
     def is_default(self) -> bool:
@@ -178,8 +188,9 @@ class EgressPolicy:
 
     @property
     def needs_proxy(self) -> bool:
-        """Names or transforms: the guest's HTTP(S) must go through the egress proxy."""
-        return bool(self.allow_domains or self.deny_domains or self.rules)
+        """Names, transforms or an upstream proxy: the guest's HTTP(S) (with an upstream,
+        all its TCP) must go through the node's egress proxy."""
+        return bool(self.allow_domains or self.deny_domains or self.rules or self.upstream)
 
     @property
     def dns_opened(self) -> tuple[str, ...]:

@@ -39,7 +39,8 @@ from .policy import METADATA_ADDRESSES, PRIVATE_RANGES, EgressPolicy
 
 _REJECT = "reject with icmpx type admin-prohibited"
 # Where a slot's egress listener (``aenv.egress``) waits, on the tap's own address: the
-# guest's TCP 80 and 443 are redirected there when its policy ``needs_proxy``.
+# guest's TCP 80 and 443 are redirected there when its policy ``needs_proxy`` (all its TCP
+# when the policy has an ``upstream`` SOCKS proxy).
 EGRESS_PORT = 15080
 PROXIED_PORTS = (80, 443)
 # and its UDP 53 to its ``dns_servers``, to the proxy's DNS on the same address
@@ -157,8 +158,12 @@ def _redirect_rules(policy: EgressPolicy) -> list[str]:
     if not policy.needs_proxy:
         return []
     ports = ", ".join(str(p) for p in PROXIED_PORTS)
-    rules = [f'iifname "{TAP_NAME}" ip saddr {GUEST_IP} tcp dport {{ {ports} }} '
-             f"redirect to :{EGRESS_PORT}"]
+    if policy.upstream is not None:  # all of its TCP tunnels, but what the slot serves
+        rules = [f'iifname "{TAP_NAME}" ip saddr {GUEST_IP} ip daddr != {TAP_IP} '
+                 f"meta l4proto tcp redirect to :{EGRESS_PORT}"]
+    else:
+        rules = [f'iifname "{TAP_NAME}" ip saddr {GUEST_IP} tcp dport {{ {ports} }} '
+                 f"redirect to :{EGRESS_PORT}"]
     if policy.dns_servers:  # the node answers the guest's resolvers (not other addresses)
         rules.append(f'iifname "{TAP_NAME}" ip saddr {GUEST_IP} '
                      f"ip daddr {_set(policy.dns_servers)} udp dport 53 "

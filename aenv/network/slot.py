@@ -8,11 +8,11 @@ host end; IPv6 off; the slot's nft table (``rulesets.slot_table``). On the host:
 host end ``<prefix>-v<i>`` with the lower /31 address, and a /32 route for the slot's host
 address via the namespace end. The host table shared by all slots is ``host.prepare``'s job.
 
-A policy that ``needs_proxy`` (domain names, header transforms) gets a listening socket
-made inside the namespace on ``TAP_IP:EGRESS_PORT`` (and a UDP one for the guest's DNS),
-handed to the slot's ``EgressHook`` (the node's egress proxy) before the redirect to it is
-loaded, and taken back after the redirect is gone; without a hook such a policy is
-refused.
+A policy that ``needs_proxy`` (domain names, header transforms, an upstream SOCKS5
+proxy) gets a listening socket made inside the namespace on ``TAP_IP:EGRESS_PORT`` (and a
+UDP one for the guest's DNS), handed to the slot's ``EgressHook`` (the node's egress
+proxy) before the redirect to it is loaded, and taken back after the redirect is gone;
+without a hook such a policy is refused.
 
 Creating and destroying use netlink (pyroute2) and one ``nft`` process; no other process
 is spawned. A slot is only ever destroyed or reset by its owner: callers stop the VMM first

@@ -25,6 +25,7 @@ from ..client.envd import EnvdClient
 from ..cluster.handover import Handover, SharedTemplates
 from ..cluster.node_setup import node_id, restores
 from ..config import Settings
+from ..egress.socks import SocksProxy
 from ..envd import ENVD_PORT
 from ..guest.bootargs import ToolsBoot, guest_boot_args
 from ..network import EgressPolicy, NetworkSlot, SlotPool, cleanup_leftovers
@@ -110,7 +111,9 @@ def egress_policy(rec: SandboxRecord) -> EgressPolicy:
         return EgressPolicy.build(
             allow_out=net.get("allowOut") or (), deny_out=net.get("denyOut") or (),
             allow_internet=rec.allow_internet is not False,
-            rules=header_rules(net.get("rules")), dns_servers=net.get("dnsServers"))
+            rules=header_rules(net.get("rules")), dns_servers=net.get("dnsServers"),
+            upstream=SocksProxy.from_option(net["egressProxy"])
+            if net.get("egressProxy") else None)
     except ValueError as e:
         raise InvalidRequest(f"invalid network policy: {e}") from e
 

@@ -80,7 +80,49 @@ async def test_envds_port_and_non_ports_are_refused_in_https_ports(api, ports, s
     assert len((await c.get("/v2/sandboxes")).json()) == before
 
 
-async def test_an_egress_proxy_is_still_refused_by_name(api) -> None:
+PROXY = {"address": "proxy.example.com:1080", "username": "u", "password": "p",
+         "tls": {"enabled": True, "serverName": "px.example.com", "caCert": None}}
+
+
+async def test_an_egress_proxy_is_read_back_without_password_or_ca(api, tmp_path) -> None:
+    from aenv.egress.ca import EgressCA
+
+    world, c = api
+    pem = (EgressCA(tmp_path / "ca").directory / "ca.pem").read_text()
+    proxy = {**PROXY, "tls": {**PROXY["tls"], "caCert": pem}, "unknown": 1}
+    r = await _create(c, {"allowOut": ["example.com"], "egressProxy": proxy})
+    assert r.status_code == 201, r.text
+    sid = r.json()["sandboxID"]
+    shown = (await c.get(f"/sandboxes/{sid}")).json()["network"]["egressProxy"]
+    assert shown == {"address": "proxy.example.com:1080", "username": "u",
+                     "tls": {"enabled": True, "serverName": "px.example.com"}}
+    upstream = egress_policy(world.orchestrator.sandboxes.get(sid)).upstream
+    assert upstream is not None and upstream.password == "p" and upstream.ca_cert == pem
+    assert egress_policy(world.orchestrator.sandboxes.get(sid)).needs_proxy
+
+    # An update sets it again (here without TLS), and one without it clears it.
+    assert (await c.put(f"/sandboxes/{sid}/network", json={
+        "egressProxy": {"address": "10.9.9.9:1080"}})).status_code == 204
+    assert (await c.get(f"/sandboxes/{sid}")).json()["network"]["egressProxy"] == \
+        {"address": "10.9.9.9:1080"}
+    assert egress_policy(world.orchestrator.sandboxes.get(sid)).upstream.tls is False
+    assert (await c.put(f"/sandboxes/{sid}/network", json={})).status_code == 204
+    assert "egressProxy" not in ((await c.get(f"/sandboxes/{sid}")).json().get("network") or {})
+    assert egress_policy(world.orchestrator.sandboxes.get(sid)).upstream is None
+
+
+@pytest.mark.parametrize("proxy, says", [
+    ({"username": "u"}, "address"),
+    ({"address": "proxy.example.com"}, "host:port"),
+    ({"address": "proxy.example.com:0"}, "host:port"),
+    ({"address": "p:1080", "password": "p"}, "password without username"),
+    ({"address": "p:1080", "username": "u" * 256}, "255"),
+    ({"address": "p:1080", "tls": {"serverName": "x"}}, "enabled"),
+    ({"address": "p:1080", "tls": {"enabled": False, "serverName": "x"}}, "enabled false"),
+    ({"address": "p:1080", "tls": {"enabled": True, "caCert": "not pem"}}, "caCert"),
+])
+async def test_a_bad_egress_proxy_is_a_400_naming_what(api, proxy, says) -> None:
     _, c = api
-    r = await _create(c, {"egressProxy": {"address": "proxy.example.com:1080"}})
-    assert r.status_code == 400 and "egressProxy" in r.json()["message"]
+    r = await _create(c, {"egressProxy": proxy})
+    assert r.status_code == 400 and "egressProxy" in r.json()["message"], r.text
+    assert says in r.json()["message"], r.text

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import ssl
+import struct
 import threading
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from aenv.egress.ca import EgressCA
 from aenv.network import NetworkSlot
 from aenv.network import netns as ns
 
-from .helpers import FakeGuest, Server
+from .helpers import FakeGuest, Server, ns_socket
 
 NAMES = ("allowed.aes.test", "api.aes.test", "plain.aes.test", "wild.aes.test",
          "a.wild.aes.test", "b.c.wild.aes.test", "denied.aes.test")
@@ -64,6 +65,98 @@ class Echo(Server):
             conn.close()
 
 
+class Socks5(Server):
+    """A SOCKS5 proxy (RFC 1928; RFC 1929 when ``credentials`` are set; TLS with ``tls``)
+    on ``ip``:``port`` in ``netns``, connecting from there. ``asked`` records every
+    CONNECT as (ATYP, host, port, username); ``refuse`` makes it answer 'connection
+    refused' (5) without connecting."""
+
+    def __init__(self, netns: str, ip: str, port: int, *,
+                 credentials: tuple[str, str] | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
+        self.netns, self.credentials, self.tls = netns, credentials, tls
+        self.asked: list[tuple[int, str, int, str | None]] = []
+        self.refuse = False
+        super().__init__(netns, ip, port)
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _read(conn: socket.socket, n: int) -> bytes:
+        out = b""
+        while len(out) < n:
+            chunk = conn.recv(n - len(out))
+            if not chunk:
+                raise ConnectionError("closed")
+            out += chunk
+        return out
+
+    def _one(self, conn: socket.socket) -> None:
+        up: socket.socket | None = None
+        try:
+            if self.tls is not None:
+                conn = self.tls.wrap_socket(conn, server_side=True)
+            version, n = self._read(conn, 2)
+            methods = self._read(conn, n)
+            want = 2 if self.credentials else 0
+            if version != 5 or want not in methods:
+                conn.sendall(b"\x05\xff")
+                return
+            conn.sendall(bytes([5, want]))
+            user = None
+            if want == 2:
+                _, ulen = self._read(conn, 2)
+                user = self._read(conn, ulen).decode()
+                password = self._read(conn, self._read(conn, 1)[0]).decode()
+                ok = (user, password) == self.credentials
+                conn.sendall(b"\x01\x00" if ok else b"\x01\x01")
+                if not ok:
+                    return
+            _, cmd, _, atyp = self._read(conn, 4)
+            if atyp == 1:
+                host = socket.inet_ntoa(self._read(conn, 4))
+            else:
+                host = self._read(conn, self._read(conn, 1)[0]).decode()
+            port = struct.unpack("!H", self._read(conn, 2))[0]
+            self.asked.append((atyp, host, port, user))
+            if cmd != 1 or self.refuse:
+                conn.sendall(b"\x05\x05\x00\x01" + bytes(6))
+                return
+            target = INET_HOSTS.get(host, host)  # the proxy's own "remote DNS"
+            up = ns_socket(self.netns)
+            up.settimeout(5)
+            up.connect((target, port))
+            up.settimeout(None)
+            conn.sendall(b"\x05\x00\x00\x01" + bytes(6))
+            threading.Thread(target=_copy, args=(up, conn), daemon=True).start()
+            _copy(conn, up)
+        except (OSError, ssl.SSLError, ConnectionError, ValueError):
+            pass
+        finally:
+            if up is not None:
+                up.close()
+            conn.close()
+
+
+def _copy(src: socket.socket, dst: socket.socket) -> None:
+    try:
+        while chunk := src.recv(65536):
+            dst.sendall(chunk)
+        dst.shutdown(socket.SHUT_WR)
+    except (OSError, ssl.SSLError):
+        pass
+
+
+# What the proxy resolves names to (set by ``Internet``).
+INET_HOSTS: dict[str, str] = {}
+
+
 class Guest(FakeGuest):
     """The stand-in guest (``helpers.FakeGuest``) in the namespace ``netns``; requests
     go to ``target`` unless told otherwise."""
@@ -98,6 +191,7 @@ class Internet:
         self.ca_file = tmp / "site-ca" / "ca.pem"
         self.hosts = tmp / "hosts"
         self.hosts.write_text(f"{ip} {' '.join(NAMES)}\n")
+        INET_HOSTS.update({name: ip for name in NAMES})
         self.servers: list[Echo] = []
         try:
             self._up()

@@ -31,6 +31,7 @@ import pytest
 from aenv.egress import proxy as proxy_module
 from aenv.egress.ca import EgressCA
 from aenv.egress.proxy import EgressProxy, Resolver
+from aenv.egress.socks import SocksProxy
 from aenv.network import NetworkSlot, host, nft
 from aenv.network import netns as ns
 from aenv.network.addressing import Addressing
@@ -38,7 +39,7 @@ from aenv.network.egress_guard import upstream_refused
 from aenv.network.policy import DEFAULT_POLICY, EgressPolicy, header_rules
 from aenv.store.secrets import SecretsUnavailable
 
-from .egress_world import Guest, Internet
+from .egress_world import Guest, Internet, Socks5
 from .helpers import Listener, blocked, connect, make_settings
 
 pytestmark = pytest.mark.net
@@ -397,3 +398,123 @@ def test_the_listener_goes_with_the_policy_that_needed_it(world: World) -> None:
     with pytest.raises(OSError):  # no redirect: the CIDR rules refuse it
         world.guest.request("allowed.aes.test")
     world.slot.set_policy(DEFAULT_POLICY)
+
+
+# -- egressProxy: a SOCKS5 proxy of the sandbox's own, in the "internet" ---------------------
+
+SOCKS_PORT, SOCKS_TLS_PORT = 1080, 1443
+
+
+@pytest.fixture(scope="module")
+def socks(world: World) -> Iterator[tuple[Socks5, Socks5]]:
+    """A SOCKS5 proxy asking for u/p, and one behind TLS (a certificate from the sites'
+    CA for socks.aes.test) asking for nothing."""
+    cert, key = world.site_ca.leaf("socks.aes.test")
+    pem = world.inet.tmp / "socks.pem"
+    pem.write_bytes(cert + key)
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(str(pem))
+    plain = Socks5(world.inet.netns, INET_IP, SOCKS_PORT, credentials=("u", "p"))
+    secure = Socks5(world.inet.netns, INET_IP, SOCKS_TLS_PORT, tls=tls)
+    try:
+        yield plain, secure
+    finally:
+        plain.close()
+        secure.close()
+
+
+def _closed(request) -> bool:  # type: ignore[no-untyped-def]
+    """Whether the guest's request got nothing back: a close, or a reset (the node closes
+    with the guest's bytes unread)."""
+    try:
+        return bool(request() == b"")
+    except ConnectionResetError:
+        return True
+
+
+def _via(upstream: SocksProxy, *extra: str) -> EgressPolicy:
+    return EgressPolicy.build(allow_out=["allowed.aes.test", *extra], deny_out=["0.0.0.0/0"],
+                              upstream=upstream)
+
+
+def test_an_upstream_proxy_carries_what_the_rules_allow(world: World, socks) -> None:
+    """Filtering first, then the tunnel: an allowOut name goes as ATYP=domain (80 and
+    443), another port of a listed address as ATYP=IPv4; what the rules refuse never
+    reaches the proxy."""
+    proxy, _ = socks
+    proxy.asked.clear()
+    world.inet.clear()
+    world.slot.set_policy(_via(SocksProxy(INET_IP, SOCKS_PORT, "u", "p"), f"{INET_IP}/32"))
+    try:
+        assert world.guest.request("allowed.aes.test").endswith(b"ok allowed.aes.test\n")
+        assert world.guest.request("allowed.aes.test", port=443,
+                                   tls=world.inet.trusting()).endswith(b"ok allowed.aes.test\n")
+        assert world.guest.request("x", port=8080).endswith(b"ok x\n")  # not 80/443: raw
+        assert proxy.asked == [(3, "allowed.aes.test", 80, "u"),
+                               (3, "allowed.aes.test", 443, "u"),
+                               (1, INET_IP, 8080, "u")]
+        # (Dialled at the listed address a name would be reached: allowed entries win.)
+        assert world.guest.request("denied.aes.test", to="198.51.100.7").startswith(
+            b"HTTP/1.1 403")
+        # An address the rules refuse: accepted by the node, closed at once, never asked.
+        assert _closed(lambda: world.guest.request("x", port=8080, to="198.51.100.7"))
+        assert len(proxy.asked) == 3
+    finally:
+        world.slot.set_policy(DEFAULT_POLICY)
+
+
+def test_an_upstream_proxy_that_fails_fails_closed(world: World, socks) -> None:
+    """A proxy that refuses the CONNECT, wrong credentials, or no proxy listening: the
+    guest's connection ends and nothing goes straight to the site."""
+    proxy, _ = socks
+    world.inet.clear()
+    try:
+        for upstream, refuse in ((SocksProxy(INET_IP, SOCKS_PORT, "u", "p"), True),
+                                 (SocksProxy(INET_IP, SOCKS_PORT, "u", "wrong"), False),
+                                 (SocksProxy(INET_IP, SOCKS_PORT + 1), False)):
+            proxy.refuse = refuse
+            world.slot.set_policy(_via(upstream))
+            assert _closed(lambda: world.guest.request("allowed.aes.test"))
+            assert world.inet.seen() == []
+    finally:
+        proxy.refuse = False
+        world.slot.set_policy(DEFAULT_POLICY)
+
+
+def test_an_upstream_proxy_over_tls_is_verified(world: World, socks) -> None:
+    """TLS to the proxy with its own CA and server name; a CA that does not vouch for it
+    fails closed (no plaintext fallback)."""
+    _, secure = socks
+    secure.asked.clear()
+    site_ca = (world.site_ca.directory / "ca.pem").read_text()
+    other_ca = (world.node_ca.directory / "ca.pem").read_text()
+    try:
+        world.slot.set_policy(_via(SocksProxy(INET_IP, SOCKS_TLS_PORT, tls=True,
+                                              server_name="socks.aes.test", ca_cert=site_ca)))
+        assert world.guest.request("allowed.aes.test").endswith(b"ok allowed.aes.test\n")
+        assert secure.asked == [(3, "allowed.aes.test", 80, None)]
+        world.slot.set_policy(_via(SocksProxy(INET_IP, SOCKS_TLS_PORT, tls=True,
+                                              server_name="socks.aes.test", ca_cert=other_ca)))
+        assert _closed(lambda: world.guest.request("allowed.aes.test"))
+        assert len(secure.asked) == 1
+    finally:
+        world.slot.set_policy(DEFAULT_POLICY)
+
+
+def test_a_transform_goes_through_the_upstream_proxy_too(world: World, socks) -> None:
+    """TLS terminated for a transform: the request goes on through the SOCKS tunnel,
+    TLS to the site inside it, the secret's header set there."""
+    proxy, _ = socks
+    proxy.asked.clear()
+    world.https.seen.clear()
+    world.slot.set_policy(EgressPolicy.build(
+        allow_out=["api.aes.test"], deny_out=["0.0.0.0/0"], rules=POLICY.rules,
+        upstream=SocksProxy(INET_IP, SOCKS_PORT, "u", "p")))
+    try:
+        out = world.guest.request("api.aes.test", port=443,
+                                  tls=world.trusting(world.node_ca))
+        assert out.endswith(b"ok api.aes.test\n") and SECRET.encode() not in out
+        assert proxy.asked == [(3, "api.aes.test", 443, "u")]
+        assert world.https.seen[-1]["authorization"] == f"Bearer {SECRET}"
+    finally:
+        world.slot.set_policy(DEFAULT_POLICY)

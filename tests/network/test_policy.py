@@ -109,3 +109,14 @@ def test_a_proxied_slot_answers_dns_to_its_servers_only():
         redirect[0]
     silent = EgressPolicy.build(allow_out=["example.com"], dns_servers=[])
     assert "udp dport 53" not in rulesets.policy_update(a, silent)
+
+
+def test_an_upstream_proxy_redirects_all_the_guests_tcp_but_the_slots_own():
+    from aenv.egress.socks import SocksProxy
+
+    a = _addressing()
+    p = EgressPolicy.build(deny_out=["0.0.0.0/0"], upstream=SocksProxy("10.9.9.9", 1080))
+    assert p.needs_proxy
+    tcp = [r for r in rulesets.policy_update(a, p).splitlines() if "redirect to :15080" in r]
+    assert tcp == ['add rule inet aenv egress_redirect iifname "tap0" ip saddr 169.254.0.21 '
+                   "ip daddr != 169.254.0.22 meta l4proto tcp redirect to :15080"]

@@ -84,7 +84,7 @@ def test_update_network_of_a_paused_sandbox_is_409_and_of_a_missing_one_404(sdk)
     ({"rules": {"*": [{"transform": {"headers": {"X": "1"}}}]}}, "rules"),
     ({"rules": {"a.example.com": [{"transform": {"headers": {
         "X": "${e2b.identity.tokens.aws}"}}}]}}, "rules"),
-    ({"egressProxy": {"address": "proxy.example.com:1080"}}, "egressProxy"),
+    ({"egressProxy": {"address": "proxy.example.com"}}, "egressProxy"),  # no port
     ({"maskRequestHost": "bad host\r\nX: y"}, "maskRequestHost"),
     ({"httpsPorts": [49983]}, "httpsPorts"),
     ({"dnsServers": ["not-an-ip"]}, "dnsServers"),
