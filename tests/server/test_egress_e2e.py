@@ -15,7 +15,7 @@ import httpx
 import pytest
 from e2b import Sandbox, Secret
 
-from tests.network.egress_world import Internet
+from tests.network.egress_world import Internet, Socks5
 from tests.server.conftest import ServerProcess, sdk_pointed_at, serving
 
 pytestmark = [pytest.mark.vm, pytest.mark.net]
@@ -140,3 +140,40 @@ def test_network_options_are_read_back_and_bad_ones_refused(world) -> None:
         r = c.post("/v2/sandboxes", json={"templateID": "base", "network": {"rules": {
             "a.test": [{"transform": {"headers": {"X": "${e2b.identity.tokens.x}"}}}]}}})
         assert r.status_code == 400 and "rules" in r.json()["message"]
+
+
+def test_an_egress_proxy_and_dns_servers_through_the_sdk(world) -> None:
+    """``egress_proxy``: the guest's allowed TCP leaves through the test's SOCKS5 proxy in
+    the "internet" (an allowOut name as ATYP=domain, another port of a listed address by
+    address), read back without the password; an update clears it. ``dns_servers``: the
+    default (8.8.8.8, the guest's resolver) is answered by the node; ``[]`` answers
+    nothing."""
+    srv, inet = world
+    socks = Socks5(inet.netns, INET_IP, 1080, credentials=("u", "p"))
+    sbx: Sandbox | None = None
+    rules = {"allow_out": ["allowed.aes.test", f"{INET_IP}/32"], "deny_out": ["0.0.0.0/0"]}
+    try:
+        sbx = Sandbox.create("base", timeout=300, network={**rules, "egress_proxy": {
+            "address": f"{INET_IP}:1080", "username": "u", "password": "p"}})
+        with httpx.Client(base_url=srv.url, headers={"X-API-KEY": srv.api_key}) as c:
+            network = c.get(f"/sandboxes/{sbx.sandbox_id}").json()["network"]
+        assert network["egressProxy"] == {"address": f"{INET_IP}:1080", "username": "u"}
+        sbx.files.write("/tmp/req.py", REQUEST)
+        assert ask(sbx, "allowed.aes.test").endswith("ok allowed.aes.test\n")
+        assert ask(sbx, "plain", 8080).endswith("ok plain\n")
+        assert socks.asked == [(3, "allowed.aes.test", 80, "u"), (1, INET_IP, 8080, "u")]
+        resolve = "python3 -c \"import socket; print(socket.gethostbyname('{}'))\" || echo no"
+        assert sbx.commands.run(resolve.format("allowed.aes.test")).stdout.strip() == INET_IP
+
+        sbx.update_network({**rules, "dns_servers": []})  # no proxy now, and no resolver
+        assert ask(sbx, "allowed.aes.test").endswith("ok allowed.aes.test\n")
+        assert len(socks.asked) == 2  # straight out, as without egress_proxy
+        assert sbx.commands.run(resolve.format("allowed.aes.test"),
+                                timeout=60).stdout.strip() == "no"
+        with httpx.Client(base_url=srv.url, headers={"X-API-KEY": srv.api_key}) as c:
+            network = c.get(f"/sandboxes/{sbx.sandbox_id}").json()["network"]
+        assert "egressProxy" not in network and network["dnsServers"] == []
+    finally:
+        if sbx is not None:
+            sbx.kill()
+        socks.close()
