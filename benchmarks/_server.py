@@ -35,11 +35,16 @@ class VMServer:
     """``aenv server`` with microVM sandboxes, isolated from any other server on the host."""
 
     def __init__(self, home: Path, net: int, cache_home: Path,
-                 cprofile: Path | None = None, server_args: tuple[str, ...] = ()) -> None:
+                 cprofile: Path | None = None, server_args: tuple[str, ...] = (),
+                 letters: str = "cp", tree: Path | None = None) -> None:
+        """``letters``: the name prefix's first letters (two servers of one benchmark need
+        different ones); ``tree``: run the aenv of another source tree (e.g. an older
+        commit's ``git archive``, to compare side by side) instead of this one."""
         self.settings = Settings(
             home=home, cache_home=cache_home,
-            name_prefix=f"cp{os.getpid() % 10000:04d}",
+            name_prefix=f"{letters}{os.getpid() % 10000:04d}",
             host_cidr=f"10.{net}.0.0/24", veth_cidr=f"10.{net}.1.0/24")
+        self.tree = tree
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = home / "server.log"
@@ -54,6 +59,9 @@ class VMServer:
                "AENV_VETH_CIDR": s.veth_cidr, "AENV_WARM_SLOTS": str(s.warm_slots)}
         argv = [sys.executable, "-m", "aenv.cli.main", "server", "--port", str(self.port),
                 *self.server_args]
+        if self.tree is not None:
+            argv[1:3] = ["-c", f"import runpy, sys; sys.path.insert(0, {str(self.tree)!r}); "
+                               "runpy.run_module('aenv.cli.main', run_name='__main__')"]
         if self.cprofile:
             # uvicorn re-raises SIGTERM after its graceful shutdown; make that an exit that
             # cProfile survives, so it writes its stats.

@@ -1,7 +1,8 @@
 """Snapshots of a VM that writes, and a pause after dirtying its memory (issue 21, item 5).
 
 Run as root: ``.venv/bin/python benchmarks/snapshot_writes.py [--snapshots 20]
-[--dirty-mib 200] [--dirty-reps 5] [--mib 512] [--via-api]``
+[--dirty-mib 200] [--dirty-reps 5] [--mib 512] [--via-api [--baseline-tree DIR]]
+[--skip-runtime]``
 
 Method (qemu driver, as ``benchmarks/vm_snapshot.py``, whose ``Bench`` it uses: its own name
 prefix and addresses, 10.<--net>.0/24, default 135): boots ``base`` once with ``--mib`` MiB
@@ -23,7 +24,11 @@ and pauses it into a template snapshot, then on VMs restored from it, as every s
   (``benchmarks/_server.py``, same net): a sandbox from base runs the writer, and
   ``POST /sandboxes/{id}/snapshots`` is timed by the client ``--snapshots`` times, one second
   apart; the node's log line for each capture gives the runtime's share (``node_total_ms``),
-  the rest (``outside_capture_ms``) is the API, the orchestrator and the store.
+  the rest (``outside_capture_ms``) is the API, the orchestrator and the store;
+  ``server_timing_ms``: the phases the answer's ``Server-Timing`` names. With
+  ``--baseline-tree DIR`` (e.g. ``git archive <old commit> | tar -x -C DIR``) a second
+  server runs DIR's aenv at the same time (net + 1) and the two take turns, so the
+  comparison shares the host's load: ``via_api.this_tree`` and ``via_api.baseline``.
 - ``pause_after_dirtying``: a guest process fills ``--dirty-mib`` MiB with a non-zero byte
   pattern, then ``VM.snapshot(stop=True)`` (a pause), ``--dirty-reps`` times on fresh VMs.
 
@@ -116,45 +121,85 @@ async def while_writing(bench: Bench, template: Path, n: int, mib: int) -> dict[
 NODE_SNAPSHOT = re.compile(r"sandbox (\S+): snapshot (\S+) \(freeze (\d+) ms, total (\d+) ms\)")
 
 
-def via_api(args: argparse.Namespace) -> dict[str, Any]:
-    """The loop through ``POST /sandboxes/{id}/snapshots`` of a real server."""
-    home = Path(tempfile.mkdtemp(prefix="aenv-bench-snapwrites-"))
-    srv = VMServer(home, args.net, Settings.from_env().artifacts)
-    walls: list[float] = []
-    timings: list[dict[str, float]] = []
-    try:
-        log(f"starting aenv server (prefix {srv.settings.name_prefix})")
-        srv.start()
-        with srv.api() as api:
+class _Side:
+    """One server of the API loop, with its writing sandbox and what its snapshots took."""
+
+    def __init__(self, srv: VMServer) -> None:
+        self.srv = srv
+        self.sid = ""
+        self.walls: list[float] = []
+        self.timings: list[dict[str, float]] = []
+
+    def begin(self) -> None:
+        log(f"starting aenv server (prefix {self.srv.settings.name_prefix}"
+            f"{', tree ' + str(self.srv.tree) if self.srv.tree else ''})")
+        self.srv.start()
+        with self.srv.api() as api:
             r = expect_status(api.post("/v2/sandboxes", json={"templateID": "base",
-                                                               "timeout": 900}), 201)
-            sid, token = r.json()["sandboxID"], r.json().get("envdAccessToken")
-            asyncio.run(_start_writer(srv.url, sid, token))
-            time.sleep(2.0)
-            for i in range(args.snapshots):
-                t0 = time.perf_counter()
-                r = expect_status(api.post(f"/sandboxes/{sid}/snapshots", json={}), 201)
-                walls.append((time.perf_counter() - t0) * 1000)
-                if "Server-Timing" in r.headers:  # the server's phases (ms), when it says
-                    timings.append(parse_server_timing(r.headers["Server-Timing"]))
-                log(f"POST snapshots {i + 1}/{args.snapshots}: {walls[-1]:.0f} ms")
-                time.sleep(1.0)
-            expect_status(api.delete(f"/sandboxes/{sid}"), 204)
-            for snap in api.get("/snapshots").json():
-                api.delete(f"/templates/{snap['snapshotID']}")
+                                                               "timeout": 1800}), 201)
+            self.sid, token = r.json()["sandboxID"], r.json().get("envdAccessToken")
+        asyncio.run(_start_writer(self.srv.url, self.sid, token))
+
+    def snapshot(self) -> float:
+        with self.srv.api() as api:
+            t0 = time.perf_counter()
+            r = expect_status(api.post(f"/sandboxes/{self.sid}/snapshots", json={}), 201)
+            self.walls.append((time.perf_counter() - t0) * 1000)
+        if "Server-Timing" in r.headers:  # the server's phases (ms), when it says
+            self.timings.append(parse_server_timing(r.headers["Server-Timing"]))
+        return self.walls[-1]
+
+    def end(self) -> dict[str, Any]:
+        if self.sid:
+            with self.srv.api() as api:
+                expect_status(api.delete(f"/sandboxes/{self.sid}"), 204)
+                for snap in api.get("/snapshots").json():
+                    api.delete(f"/templates/{snap['snapshotID']}")
         node = [(int(f), int(t)) for _, _, f, t in
-                NODE_SNAPSHOT.findall(srv.log_path.read_text(errors="replace"))]
+                NODE_SNAPSHOT.findall(self.srv.log_path.read_text(errors="replace"))]
+        walls = self.walls
+        paired = list(zip(walls, node, strict=False))
+        return {
+            "client_ms": summary(walls),
+            "per_snapshot_client_ms": [round(w, 1) for w in walls],
+            "node_total_ms": summary([float(t) for _, (_, t) in paired]),
+            "node_freeze_ms": summary([float(f) for _, (f, _) in paired]),
+            "outside_capture_ms": summary([w - t for w, (_, t) in paired]),
+            "server_timing_ms": phase_summaries(self.timings) if self.timings else None,
+        }
+
+
+def via_api(args: argparse.Namespace) -> dict[str, Any]:
+    """The loop through ``POST /sandboxes/{id}/snapshots`` of a real server; with
+    ``--baseline-tree``, a second server runs that tree's aenv on ``--net`` + 1 at the same
+    time, and the two take turns (one snapshot each per second), so both see the same
+    load: on a shared 2-core host that is the only comparison that means much."""
+    cache = Settings.from_env().artifacts
+    sides = [_Side(VMServer(Path(tempfile.mkdtemp(prefix="aenv-bench-snapwrites-")),
+                            args.net, cache))]
+    if args.baseline_tree:
+        sides.append(_Side(VMServer(Path(tempfile.mkdtemp(prefix="aenv-bench-snapwrites-")),
+                                    args.net + 1, cache, letters="cb",
+                                    tree=Path(args.baseline_tree).resolve())))
+    try:
+        for side in sides:
+            side.begin()
+        time.sleep(2.0)  # the loops are running
+        for i in range(args.snapshots):
+            # Alternate which side goes first, so neither always follows the other.
+            for side in (sides if i % 2 == 0 else sides[::-1]):
+                wall = side.snapshot()
+                log(f"POST snapshots {i + 1}/{args.snapshots}"
+                    f"{' (baseline)' if side.srv.tree else ''}: {wall:.0f} ms")
+            time.sleep(1.0)
+        results = [side.end() for side in sides]
     finally:
-        srv.shut_down()
-    paired = list(zip(walls, node, strict=False))
-    return {
-        "client_ms": summary(walls),
-        "per_snapshot_client_ms": [round(w, 1) for w in walls],
-        "node_total_ms": summary([float(t) for _, (_, t) in paired]),
-        "node_freeze_ms": summary([float(f) for _, (f, _) in paired]),
-        "outside_capture_ms": summary([w - t for w, (_, t) in paired]),
-        "server_timing_ms": phase_summaries(timings) if timings else None,
-    }
+        for side in sides:
+            side.srv.shut_down()
+    if not args.baseline_tree:
+        return results[0]
+    return {"this_tree": results[0], "baseline": results[1],
+            "baseline_tree": str(Path(args.baseline_tree).resolve())}
 
 
 async def _start_writer(url: str, sid: str, token: str | None) -> None:
@@ -197,21 +242,26 @@ def main() -> None:
     ap.add_argument("--flavor", default="cloud")
     ap.add_argument("--via-api", action="store_true",
                     help="also the loop through POST /sandboxes/{id}/snapshots of a server")
+    ap.add_argument("--baseline-tree", metavar="DIR",
+                    help="with --via-api: a second server runs the aenv of DIR (another "
+                         "commit's git archive) side by side, the two taking turns")
+    ap.add_argument("--skip-runtime", action="store_true",
+                    help="only the --via-api loop (not the runtime-level cases)")
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("snapshot_writes.py needs root (network namespaces and taps)")
     accel = host_accel()
     t0 = time.monotonic()
-    out = asyncio.run(run(args))
+    out = {} if args.skip_runtime else asyncio.run(run(args))
     if args.via_api:
         out["via_api"] = via_api(args)
-    writes = out["snapshot_while_writing"]
+    writes = out.get("snapshot_while_writing")
     dirty = out.get("pause_after_dirtying", {}).get(f"{args.dirty_mib}mib")
     emit({"benchmark": "snapshot_writes", "runtime": "qemu", "accel": accel.accel,
           "guest_mib": args.mib, "wall_s": round(time.monotonic() - t0, 1), **out,
           "goals": {"targets": GOALS, "measured": {
-              "snapshot_while_writing_p99_ms": writes["total_ms"]["p99"],
-              "snapshot_while_writing_max_ms": writes["total_ms"]["max"],
+              "snapshot_while_writing_p99_ms": writes["total_ms"]["p99"] if writes else None,
+              "snapshot_while_writing_max_ms": writes["total_ms"]["max"] if writes else None,
               f"pause_after_dirtying_{args.dirty_mib}mib_p50_ms":
                   dirty["total_ms"]["p50"] if dirty else None}}})
 

@@ -85,6 +85,7 @@ import logging
 import mmap
 import os
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,6 +127,7 @@ PAGE = snap.PAGE_SIZE
 _CHUNK_PAGES = 2048  # 8 MiB per read of guest memory
 _HEAD = 64  # bytes of a page compared before the whole page
 _BLOCK = 64  # pages compared at once before page by page (most are unchanged, or not)
+_KEPT_BUFFERS = 2  # buffer pairs kept for later captures (16 MiB each)
 _SAME_OWNER = re.compile(rb"(.)\1*", re.S)
 
 
@@ -366,13 +368,12 @@ def _write_changed(mem: gm.ProcessMemory, writer: snap.LayerWriter,
     """Write the pages of ``runs`` whose guest content differs from the stack's copy (the
     layer named by ``owners``; ``owners`` None: write them all).
 
-    Guest pages and their stack copies are read into two buffers made once per capture, not
-    into new objects per chunk (fresh memory is what costs most on a host that is itself a
-    VM), and changed runs are written from slices of them without a copy. Unchanged pages
+    Guest pages and their stack copies are read into two buffers kept from one capture to
+    the next (``_take_buffers``), not into new objects per chunk, and changed runs are
+    written from slices of them without a copy. Unchanged pages
     are skipped ``_BLOCK`` at a time; in a block that changed, a page is compared by its
     first bytes before all of it (a page that changed almost always differs there)."""
-    size = _CHUNK_PAGES * PAGE
-    data, ref = mmap.mmap(-1, size), mmap.mmap(-1, size)
+    data, ref = _take_buffers()
     view, ref_view = memoryview(data), memoryview(ref)
     try:
         for start, count in gm.split_runs(runs, _CHUNK_PAGES):
@@ -403,8 +404,33 @@ def _write_changed(mem: gm.ProcessMemory, writer: snap.LayerWriter,
     finally:
         view.release()
         ref_view.release()
-        data.close()
-        ref.close()
+        _give_buffers(data, ref)
+
+
+_buffers: list[tuple[mmap.mmap, mmap.mmap]] = []  # kept between captures: faulted in once
+_buffers_lock = threading.Lock()
+
+
+def _take_buffers() -> tuple[mmap.mmap, mmap.mmap]:
+    """A pair of ``_CHUNK_PAGES`` buffers for one capture: one kept from an earlier capture
+    (its pages are already there: fresh memory is what costs most on a host that is itself
+    a VM, ~40 ms for two new 8 MiB buffers under load), else new ones."""
+    size = _CHUNK_PAGES * PAGE
+    with _buffers_lock:
+        while _buffers:
+            pair = _buffers.pop()
+            if len(pair[0]) == size:
+                return pair
+    return mmap.mmap(-1, size), mmap.mmap(-1, size)
+
+
+def _give_buffers(data: mmap.mmap, ref: mmap.mmap) -> None:
+    with _buffers_lock:
+        if len(_buffers) < _KEPT_BUFFERS:
+            _buffers.append((data, ref))
+            return
+    data.close()
+    ref.close()
 
 
 def _pread_into(fd: int, view: memoryview, offset: int) -> None:
