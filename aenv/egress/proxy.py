@@ -363,7 +363,7 @@ class EgressProxy:
                           policy: EgressPolicy) -> None:
         """A port other than 80 and 443 of a sandbox with an upstream proxy: the dialled
         address under the CIDR rules, then through the proxy as it is."""
-        if not dialled or self._refused(dialled) or not policy.ip_allowed(dialled):
+        if not dialled or self._refused(dialled) or not policy.tcp_allowed(dialled, port):
             raise Refused(f"{dialled}:{port}: not allowed by the sandbox's egress rules")
         up = await self._connect([dialled], port, policy=policy)
         await _splice(await _streams(sock), up)

@@ -216,6 +216,15 @@ class EgressPolicy:
             return False
         return not any(ip in ipaddress.IPv4Network(n) for n in PRIVATE_RANGES)
 
+    def tcp_allowed(self, address: str, port: int) -> bool:
+        """The slot table's verdict on a new TCP connection to ``address``:``port``:
+        ``ip_allowed``, and port 53 of ``dns_opened`` (metadata aside)."""
+        if port == 53 and address in self.dns_opened and \
+                not any(ipaddress.IPv4Address(address) in ipaddress.IPv4Network(n)
+                        for n in METADATA_ADDRESSES):
+            return True
+        return self.ip_allowed(address)
+
     def ip_listed(self, address: str) -> bool:
         """Whether ``allow_out`` names ``address`` (a CIDR of it), which opens it whatever
         the rest says (metadata aside)."""

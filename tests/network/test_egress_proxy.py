@@ -518,3 +518,23 @@ def test_a_transform_goes_through_the_upstream_proxy_too(world: World, socks) ->
         assert world.https.seen[-1]["authorization"] == f"Bearer {SECRET}"
     finally:
         world.slot.set_policy(DEFAULT_POLICY)
+
+
+def test_tcp_dns_to_the_dns_servers_goes_through_the_upstream_proxy(world: World,
+                                                                     socks) -> None:
+    """What the slot table would let through (port 53 of ``dnsServers`` under a
+    deny-all) the proxy lets through too, tunnelled; other ports of that server not."""
+    proxy, _ = socks
+    proxy.asked.clear()
+    dns_tcp = Listener(world.inet.netns, INET_IP, 53, "dns")
+    try:
+        world.slot.set_policy(EgressPolicy.build(
+            allow_out=["allowed.aes.test"], deny_out=["0.0.0.0/0"], dns_servers=[INET_IP],
+            upstream=SocksProxy(INET_IP, SOCKS_PORT, "u", "p")))
+        assert connect(world.guest.netns, INET_IP, 53).startswith("dns ")
+        assert proxy.asked == [(1, INET_IP, 53, "u")]
+        assert _closed(lambda: world.guest.request("x", port=8080))
+        assert len(proxy.asked) == 1
+    finally:
+        world.slot.set_policy(DEFAULT_POLICY)
+        dns_tcp.close()

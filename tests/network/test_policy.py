@@ -120,3 +120,13 @@ def test_an_upstream_proxy_redirects_all_the_guests_tcp_but_the_slots_own():
     tcp = [r for r in rulesets.policy_update(a, p).splitlines() if "redirect to :15080" in r]
     assert tcp == ['add rule inet aenv egress_redirect iifname "tap0" ip saddr 169.254.0.21 '
                    "ip daddr != 169.254.0.22 meta l4proto tcp redirect to :15080"]
+
+
+def test_tcp_to_port_53_of_the_dns_servers_is_allowed_as_the_slot_table_does():
+    p = EgressPolicy.build(allow_out=["example.com"], deny_out=["0.0.0.0/0"],
+                           dns_servers=["1.1.1.1", "169.254.169.254"])
+    assert p.tcp_allowed("1.1.1.1", 53) and not p.tcp_allowed("1.1.1.1", 443)
+    assert not p.tcp_allowed("169.254.169.254", 53)  # metadata: never
+    no_domain = EgressPolicy.build(allow_out=["9.9.9.9"], deny_out=["0.0.0.0/0"],
+                                   dns_servers=["1.1.1.1"])
+    assert not no_domain.tcp_allowed("1.1.1.1", 53)
