@@ -538,3 +538,22 @@ def test_tcp_dns_to_the_dns_servers_goes_through_the_upstream_proxy(world: World
     finally:
         world.slot.set_policy(DEFAULT_POLICY)
         dns_tcp.close()
+
+
+def test_a_transform_through_an_upstream_proxy_over_tls(world: World, socks) -> None:
+    """TLS to the site inside TLS to the proxy (a transform behind a TLS proxy)."""
+    _, secure = socks
+    secure.asked.clear()
+    world.https.seen.clear()
+    site_ca = (world.site_ca.directory / "ca.pem").read_text()
+    world.slot.set_policy(EgressPolicy.build(
+        allow_out=["api.aes.test"], deny_out=["0.0.0.0/0"], rules=POLICY.rules,
+        upstream=SocksProxy(INET_IP, SOCKS_TLS_PORT, tls=True, server_name="socks.aes.test",
+                            ca_cert=site_ca)))
+    try:
+        out = world.guest.request("api.aes.test", port=443, tls=world.trusting(world.node_ca))
+        assert out.endswith(b"ok api.aes.test\n"), out
+        assert secure.asked == [(3, "api.aes.test", 443, None)]
+        assert world.https.seen[-1]["authorization"] == f"Bearer {SECRET}"
+    finally:
+        world.slot.set_policy(DEFAULT_POLICY)
