@@ -142,6 +142,13 @@ def _ipv4_network(v: str) -> str | None:
     return None
 
 
+def _ipv4_networks(v: str | None) -> str | None:
+    for entry in (v or "").split(","):
+        if entry.strip() and (problem := _ipv4_network(entry.strip())) is not None:
+            return f"has {entry.strip()!r}, which {problem}"
+    return None
+
+
 def _prefix(v: str) -> str | None:
     if re.fullmatch(r"[a-z][a-z0-9]*", v):
         return None
@@ -455,6 +462,11 @@ class Settings(_Declared):
         "AENV_EGRESS_UPSTREAM_CA", None, check=_file,
         doc="PEM file of CA certificates the egress proxy trusts, besides the public ones, "
             "for the HTTPS hosts whose requests it changes")
+    egress_proxy_networks: str | None = setting(
+        "AENV_EGRESS_PROXY_NETWORKS", None, check=_ipv4_networks,
+        doc="comma-separated IPv4 CIDRs where a sandbox's `egressProxy` may be although "
+            "they are private (E2B refuses private and internal proxy addresses); the "
+            "host's own and aenv's ranges stay refused")
     layer_cache_mb: int = setting(
         "AENV_LAYER_CACHE_MB", 20480, check=_at_least(0),
         doc="MiB of pulled image blobs kept (least recently used go first)")

@@ -208,8 +208,12 @@ class EgressProxy:
     def __init__(self, ca: EgressCA, secret: Callable[[str], Awaitable[str | None]], *,
                  resolver: Resolver | None = None,
                  refused: Callable[[str], bool] = lambda _ip: False,
-                 upstream_ca: Path | None = None) -> None:
+                 upstream_ca: Path | None = None,
+                 proxy_refused: Callable[[str], bool] | None = None) -> None:
+        """``refused``: addresses never dialled; ``proxy_refused`` (default: ``refused``):
+        where a sandbox's own SOCKS proxy may not be."""
         self.ca, self._secret, self._refused = ca, secret, refused
+        self._proxy_refused = proxy_refused or refused
         self.resolver = resolver or Resolver()
         self._upstream = ssl.create_default_context()
         if upstream_ca is not None:
@@ -399,7 +403,7 @@ class EgressProxy:
             for target in targets:
                 try:
                     reader, writer = await socks.open_tunnel(
-                        policy.upstream, target, port, refused=self._refused,
+                        policy.upstream, target, port, refused=self._proxy_refused,
                         timeout=CONNECT_TIMEOUT_S)
                 except socks.SocksError as e:
                     failed = e

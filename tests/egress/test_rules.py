@@ -84,3 +84,16 @@ def test_header_rules_pick_one_rule_set_and_merge_within_it() -> None:
 def test_bad_rules_are_refused(rules: dict, words: str) -> None:
     with pytest.raises(PolicyError, match=words.replace("$", r"\$").replace("{", r"\{")):
         header_rules(rules)
+
+
+def test_a_sandboxs_proxy_may_not_be_private_unless_the_node_lists_the_range():
+    from aenv.egress.setup import proxy_address_refused
+
+    node = {"10.11.0.7"}  # what the node refuses anyway (its own, aenv's ranges)
+    default = proxy_address_refused(lambda ip: ip in node, None)
+    assert not default("203.0.113.9")
+    for ip in ("10.1.2.3", "192.168.1.1", "127.0.0.1", "169.254.169.254", "100.64.0.1"):
+        assert default(ip), ip
+    listed = proxy_address_refused(lambda ip: ip in node, "10.0.0.0/8, 192.168.7.0/24")
+    assert not listed("10.1.2.3") and not listed("192.168.7.5")
+    assert listed("192.168.1.1") and listed("10.11.0.7")

@@ -557,3 +557,26 @@ def test_a_transform_through_an_upstream_proxy_over_tls(world: World, socks) -> 
         assert world.https.seen[-1]["authorization"] == f"Bearer {SECRET}"
     finally:
         world.slot.set_policy(DEFAULT_POLICY)
+
+
+def test_a_proxy_in_a_private_range_is_not_dialled_unless_listed(world: World, socks) -> None:
+    """As the server builds it (``setup.proxy_address_refused``): the test's proxy is in
+    10.125/16, private, so without AENV_EGRESS_PROXY_NETWORKS the connection fails closed
+    and the proxy is never dialled."""
+    from aenv.egress.setup import proxy_address_refused
+
+    proxy, _ = socks
+    proxy.asked.clear()
+    world.inet.clear()
+    saved = world.proxy._proxy_refused
+    world.proxy._proxy_refused = proxy_address_refused(world.proxy._refused, None)
+    try:
+        world.slot.set_policy(_via(SocksProxy(INET_IP, SOCKS_PORT, "u", "p")))
+        assert _closed(lambda: world.guest.request("allowed.aes.test"))
+        assert proxy.asked == [] and world.inet.seen() == []
+        world.proxy._proxy_refused = proxy_address_refused(world.proxy._refused,
+                                                           "10.125.2.0/24")
+        assert world.guest.request("allowed.aes.test").endswith(b"ok allowed.aes.test\n")
+    finally:
+        world.proxy._proxy_refused = saved
+        world.slot.set_policy(DEFAULT_POLICY)

@@ -51,6 +51,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProc
         srv = ServerProcess(tmp / "home", prefix="aenvsf", net=123)
         srv.env["AENV_EGRESS_HOSTS"] = str(inet.hosts)
         srv.env["AENV_EGRESS_UPSTREAM_CA"] = str(inet.ca_file)
+        srv.env["AENV_EGRESS_PROXY_NETWORKS"] = "10.125.3.0/24"  # the test's SOCKS proxy
         with serving(srv), sdk_pointed_at(srv):
             yield srv, inet
     finally:
