@@ -41,7 +41,7 @@ def key() -> str:
     h = hashlib.sha256()
     for part in (*template.PACKAGES, *template.PLATFORMS, *template.PRUNE_DIRS,
                  template.GUEST_PYTHON, template.DENO_PACKAGE, template.DENO_VERSION,
-                 *template.DEBIAN_PACKAGES):
+                 *template.DEBIAN_PACKAGES, template.DEB_COMPRESSION):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:16]
 
@@ -159,7 +159,7 @@ def _stage_debs(context: Path, cache: Path) -> None:
         work.chmod(0o755)
         entries = []
         for deb in files:
-            shutil.copyfile(deb, work / deb.name)
+            _repack(deb, work / deb.name)
             (work / deb.name).chmod(0o644)
             entries.append(_index_entry(work / deb.name))
         (work / "Packages").write_text("\n".join(entries))
@@ -167,6 +167,21 @@ def _stage_debs(context: Path, cache: Path) -> None:
         work.rename(context / "debs")
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _repack(deb: Path, dest: Path) -> None:
+    """``deb`` again, its contents uncompressed (``template.DEB_COMPRESSION``): the guest
+    unpacks it under emulation, where decompressing (xz) was most of dpkg's work (natively
+    15.6 s of CPU against 7.2 s for these packages). Control files, maintainer scripts and
+    file metadata are kept as they were (``dpkg-deb -R`` then ``-b``, as root)."""
+    with tempfile.TemporaryDirectory(prefix=".repack-", dir=dest.parent) as tmp:
+        tree = Path(tmp) / "root"  # made by dpkg-deb as the package's root: 0755, not 0700
+        for argv in (["dpkg-deb", "-R", str(deb), str(tree)],
+                     ["dpkg-deb", "-b", f"-Z{template.DEB_COMPRESSION}", str(tree),
+                      str(dest)]):
+            proc = subprocess.run(argv, capture_output=True, text=True, check=False)
+            if proc.returncode != 0:
+                raise RuntimeError(f"repacking {deb.name} failed: {proc.stderr.strip()}")
 
 
 def _index_entry(deb: Path) -> str:

@@ -19,7 +19,8 @@ tens of MB); Deno's, larger, starts on first use (about 25 s under TCG).
 ``r`` is IRkernel on Debian's R and ``java`` JJava (IJava's maintained successor, a JShell
 kernel; its wheel on PyPI carries the jars) on Debian's OpenJDK 17 (``DEBIAN_PACKAGES``,
 with the dependencies the ``base`` image lacks). Their ``.deb`` files are downloaded on the
-host with apt (cached beside the build context) and COPYed with a ``Packages`` index to
+host with apt (cached beside the build context), repacked uncompressed
+(``DEB_COMPRESSION``) and COPYed with a ``Packages`` index to
 ``DEBS_DIR``, laid on the host like the libraries; one RUN has the guest's own apt install
 them from that directory as a local repository (no network, maintainer scripts run as in
 any ``apt-get install``) and delete it. Both start on first use.
@@ -57,6 +58,9 @@ PACKAGES = (
 # Debian packages installed with the guest's apt from a local repository (see above).
 DEBIAN_PACKAGES = ("r-base-core", "r-cran-irkernel", "openjdk-17-jdk-headless")
 DEBS_DIR = "/opt/aenv-interpreter/debs"
+# The staged .deb files are repacked with this compression (dpkg-deb -Z): none, so that the
+# guest's dpkg does not decompress 180 MB of xz under emulation.
+DEB_COMPRESSION = "none"
 # Deno (its Jupyter kernel runs JavaScript and TypeScript), pinned so the staged copy is
 # keyed by its version.
 DENO_PACKAGE = "@deno/linux-x64-glibc"

@@ -122,3 +122,32 @@ def test_packages_index_entry_is_what_apt_reads(tmp_path) -> None:
     assert fields["Filename"] == "./aenv-probe_1.0_all.deb"
     assert int(fields["Size"]) == deb.stat().st_size
     assert fields["SHA256"] == hashlib.sha256(deb.read_bytes()).hexdigest()
+
+
+@pytest.mark.skipif(shutil.which("dpkg-deb") is None, reason="needs dpkg-deb")
+def test_repacked_deb_is_the_same_package_uncompressed(tmp_path) -> None:
+    root = tmp_path / "pkg"
+    (root / "DEBIAN").mkdir(parents=True)
+    (root / "usr/share/probe").mkdir(parents=True)
+    (root / "usr/share/probe/data").write_text("x" * 10000)
+    (root / "DEBIAN/control").write_text(
+        "Package: aenv-probe\nVersion: 1.0\nArchitecture: all\nMaintainer: t <t@t>\n"
+        "Description: probe\n")
+    (root / "DEBIAN/postinst").write_text("#!/bin/sh\ntrue\n")
+    (root / "DEBIAN/postinst").chmod(0o755)
+    deb, out = tmp_path / "in.deb", tmp_path / "out" / "in.deb"
+    out.parent.mkdir()
+    subprocess.run(["dpkg-deb", "-Zxz", "--build", str(root), str(deb)], check=True,
+                   capture_output=True)
+    interpreter_template._repack(deb, out)
+    data = out.read_bytes()  # an ar archive: member names in plain text headers
+    assert b"data.tar " in data or b"data.tar/" in data
+    assert b"data.tar.xz" not in data
+    listing = subprocess.run(["dpkg-deb", "-c", str(out)], capture_output=True, text=True,
+                             check=True).stdout
+    assert "./usr/share/probe/data" in listing
+    assert listing.splitlines()[0].startswith("drwxr-xr-x")  # the package's root: 0755
+    info = subprocess.run(["dpkg-deb", "-I", str(out)], capture_output=True, text=True,
+                          check=True).stdout
+    assert "postinst" in info and "Package: aenv-probe" in info
+    assert list(out.parent.iterdir()) == [out]  # no work directory left
