@@ -169,6 +169,25 @@ def serving(srv: ServerProcess, *, cleanup: Callable[[Settings], None] | None = 
 
 
 @contextlib.contextmanager
+def crash_tested(srv: ServerProcess,
+                 more_leftovers: Callable[[ServerProcess], dict[str, list[str]]] | None = None
+                 ) -> Iterator[ServerProcess]:
+    """Start ``srv`` for a test that kills it with -9 and starts it again; at the end start
+    it once more if the test failed between the two (so that it cleans up for real), kill
+    its sandboxes, stop it and fail on any leftover (``more_leftovers`` adds kinds)."""
+    srv.start()
+    try:
+        yield srv
+    finally:
+        if srv.proc is None or srv.proc.poll() is not None:
+            srv.start()
+        srv.kill_all_sandboxes()
+        srv.stop()
+        left = {**leftovers(srv.settings), **(more_leftovers(srv) if more_leftovers else {})}
+        assert not any(left.values()), left
+
+
+@contextlib.contextmanager
 def sdk_pointed_at(srv: ServerProcess) -> Iterator[ServerProcess]:
     """The E2B SDK configured only through its environment variables, for a block."""
     with pytest.MonkeyPatch.context() as mp:

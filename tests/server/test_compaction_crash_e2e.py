@@ -15,7 +15,7 @@ from aenv.orchestrator.timing import parse_server_timing
 from aenv.runtime.qemu_snapshot import DEFAULT_MAX_CHAIN
 from aenv.storage import snapshots as snap
 
-from .conftest import ServerProcess, leftovers
+from .conftest import ServerProcess, crash_tested, sdk_pointed_at
 
 pytestmark = [pytest.mark.vm, pytest.mark.net, pytest.mark.timeout(900)]
 
@@ -23,21 +23,10 @@ SNAPSHOTS = DEFAULT_MAX_CHAIN + 3  # the chain outgrows the limit twice
 
 
 @pytest.fixture
-def crashable(tmp_path, monkeypatch):
-    srv = ServerProcess(tmp_path / "home", prefix="aenvhc", net=158)
-    srv.start()
-    monkeypatch.setenv("E2B_API_KEY", srv.api_key)
-    monkeypatch.setenv("E2B_API_URL", srv.url)
-    monkeypatch.setenv("E2B_SANDBOX_URL", srv.url)
-    try:
+def crashable(tmp_path):
+    with crash_tested(ServerProcess(tmp_path / "home", prefix="aenvhc", net=158)) as srv, \
+            sdk_pointed_at(srv):
         yield srv
-    finally:
-        if srv.proc is None or srv.proc.poll() is not None:
-            srv.start()  # a test that failed between crash and restart: clean up for real
-        srv.kill_all_sandboxes()
-        srv.stop()
-        left = leftovers(srv.settings)
-        assert not any(left.values()), left
 
 
 def _chains(srv) -> dict[str, int]:

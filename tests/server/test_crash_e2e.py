@@ -11,27 +11,16 @@ import time
 import pytest
 from e2b import Sandbox
 
-from .conftest import ServerProcess, leftovers
+from .conftest import ServerProcess, crash_tested, leftovers, sdk_pointed_at
 
 pytestmark = [pytest.mark.vm, pytest.mark.net]
 
 
 @pytest.fixture
-def crashable(tmp_path, monkeypatch):
-    srv = ServerProcess(tmp_path / "home", prefix="aenvsc", net=17)
-    srv.start()
-    monkeypatch.setenv("E2B_API_KEY", srv.api_key)
-    monkeypatch.setenv("E2B_API_URL", srv.url)
-    monkeypatch.setenv("E2B_SANDBOX_URL", srv.url)
-    try:
+def crashable(tmp_path):
+    with crash_tested(ServerProcess(tmp_path / "home", prefix="aenvsc", net=17)) as srv, \
+            sdk_pointed_at(srv):
         yield srv
-    finally:
-        if srv.proc is None or srv.proc.poll() is not None:
-            srv.start()  # a test that failed between crash and restart: clean up for real
-        srv.kill_all_sandboxes()
-        srv.stop()
-        left = leftovers(srv.settings)
-        assert not any(left.values()), left
 
 
 def test_running_sandboxes_survive_a_server_crash(crashable) -> None:

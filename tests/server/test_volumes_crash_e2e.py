@@ -10,7 +10,7 @@ import os
 import pytest
 from e2b import Sandbox, Volume
 
-from .conftest import ServerProcess, leftovers
+from .conftest import ServerProcess, crash_tested, sdk_pointed_at
 
 pytestmark = [pytest.mark.vm, pytest.mark.net]
 
@@ -38,20 +38,10 @@ def _mounts_under(srv: ServerProcess) -> list[str]:
 @pytest.fixture
 def crashable(tmp_path, monkeypatch):
     srv = ServerProcess(tmp_path / "home", prefix="aenvvp", net=121)
-    srv.start()
-    for k, v in {"E2B_API_KEY": srv.api_key, "E2B_API_URL": srv.url,
-                 "E2B_SANDBOX_URL": srv.url, "E2B_VOLUME_API_URL": srv.url}.items():
-        monkeypatch.setenv(k, v)
-    try:
+    with crash_tested(srv, lambda s: {"nfs servers": _ganesha(s), "mounts": _mounts_under(s)}), \
+            sdk_pointed_at(srv):
+        monkeypatch.setenv("E2B_VOLUME_API_URL", srv.url)
         yield srv
-    finally:
-        if srv.proc is None or srv.proc.poll() is not None:
-            srv.start()  # a test that failed between crash and restart: clean up for real
-        srv.kill_all_sandboxes()
-        srv.stop()
-        left = {**leftovers(srv.settings), "nfs servers": _ganesha(srv),
-                "mounts": _mounts_under(srv)}
-        assert not any(left.values()), left
 
 
 @pytest.mark.timeout(900)
