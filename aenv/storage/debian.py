@@ -81,7 +81,10 @@ def closure(names: Sequence[str], *, beside: Sequence[str] = ()) -> list[Package
     apt resolves both sets from scratch (an empty dpkg status) and the second is taken
     away, so alternatives are chosen as apt chooses them and the answer does not depend
     on what this host has installed. The guest's own apt still decides at install time;
-    a package this left out that the guest lacks makes that install fail by its name."""
+    a package this left out that the guest lacks makes that install fail by its name.
+    apt's lists are refreshed first when they do not know ``names`` (``candidate``)."""
+    for name in names:
+        candidate(name)
     have = {p.name for p in _simulate(beside)} if beside else set()
     return [p for p in _simulate(names) if p.name not in have]
 
