@@ -8,7 +8,9 @@ import pytest
 
 from aenv.storage import debian
 
-pytestmark = pytest.mark.skipif(shutil.which("apt-get") is None, reason="needs apt")
+# apt-get -s over the whole archive's lists: seconds each, so left out of make test-fast.
+pytestmark = [pytest.mark.skipif(shutil.which("apt-get") is None, reason="needs apt"),
+              pytest.mark.slow]
 
 
 def _known(name: str) -> bool:
