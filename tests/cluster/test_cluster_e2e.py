@@ -41,21 +41,30 @@ GATEWAY_KEY = "e2b_" + "9" * 40
 
 
 @dataclass
-class Cluster:
+class Gatewayed:
+    """Nodes behind a gateway over one Redis (DB 2), as a test drives them."""
+
     redis: RedisServer
     nodes: dict[str, ServerProcess]
     gateway_url: str
-    shared: Path
 
     def api(self) -> httpx.Client:
         return httpx.Client(base_url=self.gateway_url, headers={"X-API-KEY": GATEWAY_KEY},
                             timeout=120)
 
-    def node_of(self, sandbox_id: str) -> str | None:
-        """The node the index names for ``sandbox_id``."""
+    def index(self, key: str, field: str) -> str | None:
+        """The node a cluster index (``aenv:sandboxes``, ``aenv:volumes``) names."""
         with redis.Redis.from_url(self.redis.url(2), decode_responses=True) as r:
-            node: str | None = r.hget("aenv:sandboxes", sandbox_id)  # type: ignore[assignment]
+            node: str | None = r.hget(key, field)  # type: ignore[assignment]
             return node
+
+    def node_of(self, sandbox_id: str) -> str | None:
+        return self.index("aenv:sandboxes", sandbox_id)
+
+
+@dataclass
+class Cluster(Gatewayed):
+    shared: Path
 
     def statuses(self) -> dict[str, str]:
         with self.api() as c:

@@ -31,11 +31,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-import redis
 from e2b import Sandbox, Secret, Volume
 
-from tests.cluster.redis_server import RedisServer, running_redis
-from tests.cluster.test_cluster_e2e import GATEWAY_KEY, SECRET, gateway
+from tests.cluster.redis_server import running_redis
+from tests.cluster.test_cluster_e2e import GATEWAY_KEY, SECRET, Gatewayed, gateway
 from tests.conftest import ROOT, run_json_script
 from tests.network.egress_world import Internet
 from tests.server.conftest import ServerProcess, serving
@@ -56,26 +55,11 @@ print(out.decode(errors="replace"))
 
 
 @dataclass
-class Cluster:
-    redis: RedisServer
-    nodes: dict[str, ServerProcess]
-    gateway_url: str
+class Cluster(Gatewayed):
     inet: Internet
 
-    def api(self) -> httpx.Client:
-        return httpx.Client(base_url=self.gateway_url, headers={"X-API-KEY": GATEWAY_KEY},
-                            timeout=120)
-
-    def _index(self, key: str, field: str) -> str | None:
-        with redis.Redis.from_url(self.redis.url(2), decode_responses=True) as r:
-            node: str | None = r.hget(key, field)  # type: ignore[assignment]
-            return node
-
-    def node_of(self, sandbox_id: str) -> str | None:
-        return self._index("aenv:sandboxes", sandbox_id)
-
     def node_of_volume(self, volume_id: str) -> str | None:
-        return self._index("aenv:volumes", volume_id)
+        return self.index("aenv:volumes", volume_id)
 
 
 @pytest.fixture(scope="module")
