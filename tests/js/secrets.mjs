@@ -1,16 +1,9 @@
 // Secrets through the newest E2B JavaScript SDK, against the server at E2B_API_URL.
 // Prints one JSON line: what each call returned, or the error it threw ([name, message]).
 import { Secret } from 'e2b'
+import { failure } from './failure.mjs'
 
 const out = {}
-const failure = async (call) => {
-  try {
-    await call()
-    return null
-  } catch (e) {
-    return [e.name, String(e.message)]
-  }
-}
 
 const made = await Secret.create('JS-Token', 'js-value-never-shown', { metadata: { k: 'v' } })
 out.made = made

@@ -2,17 +2,10 @@
 // on a template AENV_JS_TEMPLATE built with the tag v1 (by the Python test that runs this).
 // Prints one JSON line: what each call returned, or the error it threw ([name, message]).
 import { Sandbox, Template } from 'e2b'
+import { failure } from './failure.mjs'
 
 const name = process.env.AENV_JS_TEMPLATE
 const out = {}
-const failure = async (call) => {
-  try {
-    await call()
-    return null
-  } catch (e) {
-    return [e.name, String(e.message)]
-  }
-}
 
 const assigned = await Template.assignTags(`${name}:v1`, 'js')
 out.assigned = assigned

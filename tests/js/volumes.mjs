@@ -3,16 +3,9 @@
 // sandbox that mounts it (volumeMounts) and reads and writes it from a command.
 // Prints one JSON line: what each call returned, or the error it threw ([name, message]).
 import { Sandbox, Volume } from 'e2b'
+import { failure } from './failure.mjs'
 
 const out = {}
-const failure = async (call) => {
-  try {
-    await call()
-    return null
-  } catch (e) {
-    return [e.name, String(e.message)]
-  }
-}
 
 const vol = await Volume.create('js-volume')
 out.created = { name: vol.name, id: vol.volumeId.startsWith('vol_'), token: vol.token.length > 0 }
