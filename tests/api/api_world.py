@@ -5,11 +5,14 @@ and a ``Builder``, behind the API key. Shared by the API's unit tests; nothing h
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 from starlette.types import ASGIApp
 
 from aenv.api.app import create_api
@@ -48,3 +51,13 @@ def make_world(files_dir: Path, *, limits: Limits | None = None) -> World:
                      logs=lambda *a, **k: [], builder=builder, upload_secret=KEY.encode(),
                      secret_store=SecretStore(db, SecretBox(os.urandom(32))))
     return World(app, orch, machines, builder)
+
+
+@contextlib.asynccontextmanager
+async def world_client(files_dir: Path) -> AsyncIterator[tuple[World, httpx.AsyncClient]]:
+    """A world and a client of its app in this process, with the key; an exception that
+    escapes the app is its 500 answer, not raised into the test."""
+    world = make_world(files_dir)
+    transport = httpx.ASGITransport(world.app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t", headers=AUTH) as c:
+        yield world, c

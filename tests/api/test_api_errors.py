@@ -27,7 +27,7 @@ from aenv.runtime.base import BootError, NotSupportedError, SnapshotError, VMExi
 from aenv.storage.errors import CommandFailed, ImageError
 from aenv.storage.snapshot_store import SnapshotMissing
 from aenv.storage.snapshots import SnapshotFilesError
-from tests.api.api_world import AUTH, make_world
+from tests.api.api_world import world_client
 from tests.conftest import free_port
 
 SECRET = "/var/lib/aenv/secret-home"  # in every exception's text; must never reach a client
@@ -122,9 +122,7 @@ async def test_the_body_on_the_wire_is_json() -> None:
 
 @pytest.fixture
 async def api(tmp_path):
-    world = make_world(tmp_path / "build-files")
-    transport = httpx.ASGITransport(world.app, raise_app_exceptions=False)
-    async with httpx.AsyncClient(transport=transport, base_url="http://t", headers=AUTH) as c:
+    async with world_client(tmp_path / "build-files") as (world, c):
         yield world, c
 
 

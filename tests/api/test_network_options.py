@@ -10,14 +10,12 @@ import pytest
 
 from aenv.network.policy import DEFAULT_DNS_SERVERS
 from aenv.orchestrator.node import egress_policy
-from tests.api.api_world import AUTH, make_world
+from tests.api.api_world import world_client
 
 
 @pytest.fixture
 async def api(tmp_path):
-    world = make_world(tmp_path / "build-files")
-    transport = httpx.ASGITransport(world.app, raise_app_exceptions=False)
-    async with httpx.AsyncClient(transport=transport, base_url="http://t", headers=AUTH) as c:
+    async with world_client(tmp_path / "build-files") as (world, c):
         yield world, c
 
 

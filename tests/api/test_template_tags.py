@@ -21,7 +21,7 @@ from aenv.client.envd import CommandResult
 from aenv.orchestrator import builds
 from aenv.store import Database, TemplateRecord, TemplateStore
 from aenv.store.db import _MIGRATIONS
-from tests.api.api_world import AUTH, World, make_world
+from tests.api.api_world import World, world_client
 
 
 class FakeEnvd:
@@ -43,9 +43,7 @@ class FakeEnvd:
 @pytest.fixture
 async def api(tmp_path, monkeypatch):
     monkeypatch.setattr(builds, "EnvdClient", FakeEnvd)
-    world = make_world(tmp_path / "build-files")
-    transport = httpx.ASGITransport(world.app, raise_app_exceptions=False)
-    async with httpx.AsyncClient(transport=transport, base_url="http://t", headers=AUTH) as c:
+    async with world_client(tmp_path / "build-files") as (world, c):
         yield world, c
     await world.builder.close()
 
