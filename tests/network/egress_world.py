@@ -19,13 +19,13 @@ from aenv.egress.ca import EgressCA
 from aenv.network import NetworkSlot
 from aenv.network import netns as ns
 
-from .helpers import FakeGuest, Server, ns_socket
+from .helpers import FakeGuest, ThreadedServer, ns_socket
 
 NAMES = ("allowed.aes.test", "api.aes.test", "plain.aes.test", "wild.aes.test",
          "a.wild.aes.test", "b.c.wild.aes.test", "denied.aes.test")
 
 
-class Echo(Server):
+class Echo(ThreadedServer):
     """HTTP/1 on ``ip``:``port`` in ``netns`` (TLS with ``tls``): answers 200 ``ok <host>``
     and records the headers of every request in ``seen``."""
 
@@ -33,14 +33,6 @@ class Echo(Server):
                  ) -> None:
         self.tls, self.seen = tls, []
         super().__init__(netns, ip, port)
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
 
     def _one(self, conn: socket.socket) -> None:
         try:
@@ -65,7 +57,7 @@ class Echo(Server):
             conn.close()
 
 
-class Socks5(Server):
+class Socks5(ThreadedServer):
     """A SOCKS5 proxy (RFC 1928; RFC 1929 when ``credentials`` are set; TLS with ``tls``)
     on ``ip``:``port`` in ``netns``, connecting from there. ``asked`` records every
     CONNECT as (ATYP, host, port, username); ``refuse`` makes it answer 'connection
@@ -78,14 +70,6 @@ class Socks5(Server):
         self.asked: list[tuple[int, str, int, str | None]] = []
         self.refuse = False
         super().__init__(netns, ip, port)
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
 
     @staticmethod
     def _read(conn: socket.socket, n: int) -> bytes:

@@ -108,6 +108,22 @@ class Server:
         self._thread.join(2)
 
 
+class ThreadedServer(Server):
+    """A ``Server`` that serves each connection in a thread of its own (``_one``), so that a
+    slow or stuck client does not hold the others up."""
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _one(self, conn: socket.socket) -> None:
+        raise NotImplementedError
+
+
 class Listener(Server):
     """TCP server answering every connection with ``<tag> <peer address>``."""
 
