@@ -111,27 +111,36 @@ def gateway_process(redis: RedisServer, home: Path
             proc.wait()
 
 
+def serve_nodes(stack: contextlib.ExitStack, root: Path, redis: RedisServer,
+                nodes: tuple[tuple[str, str, int], ...], env: dict[str, str]
+                ) -> dict[str, ServerProcess]:
+    """Cluster nodes (id, name prefix, net) over ``redis``'s DB 2, with ``env`` added,
+    started side by side (each start snapshots base: 15-30 s under TCG) and checked for
+    leftovers when ``stack`` closes."""
+    servers: dict[str, ServerProcess] = {}
+    for node_id, prefix, net in nodes:
+        srv = ServerProcess(root / node_id, prefix=prefix, net=net)
+        srv.env.update({"AENV_CLUSTER": redis.url(2), "AENV_NODE_ID": node_id,
+                        "AENV_ADVERTISE_URL": srv.url, "AENV_CLUSTER_SECRET": SECRET, **env})
+        servers[node_id] = srv
+        stack.callback(srv.stop)  # even when another one's start fails first
+    pool = stack.enter_context(ThreadPoolExecutor(len(servers)))
+    started = {i: pool.submit(srv.start) for i, srv in servers.items()}
+    for i, srv in servers.items():
+        srv.start = started[i].result  # type: ignore[method-assign]  # serving() waits
+        stack.enter_context(serving(srv))
+        del srv.start  # a restart starts the process again
+    return servers
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("cluster")
     with contextlib.ExitStack() as stack:
         redis = stack.enter_context(running_redis(root / "redis"))
-        nodes: dict[str, ServerProcess] = {}
         shared = root / "shared"
-        for node_id, prefix, net in (("c1", "aenvc1", 71), ("c2", "aenvc2", 73)):
-            srv = ServerProcess(root / node_id, prefix=prefix, net=net)
-            srv.env.update({"AENV_CLUSTER": redis.url(2), "AENV_NODE_ID": node_id,
-                            "AENV_ADVERTISE_URL": srv.url, "AENV_CLUSTER_SECRET": SECRET,
-                            "AENV_SHARED_STORE": str(shared)})
-            nodes[node_id] = srv
-            stack.callback(srv.stop)  # even when the other one's start fails first
-        # Side by side: each start snapshots base (15-30 s under TCG).
-        pool = stack.enter_context(ThreadPoolExecutor(2))
-        started = {i: pool.submit(srv.start) for i, srv in nodes.items()}
-        for i, srv in nodes.items():
-            srv.start = started[i].result  # type: ignore[method-assign]  # serving() waits
-            stack.enter_context(serving(srv))
-            del srv.start  # a restart starts the process again
+        nodes = serve_nodes(stack, root, redis, (("c1", "aenvc1", 71), ("c2", "aenvc2", 73)),
+                            {"AENV_SHARED_STORE": str(shared)})
         url = stack.enter_context(gateway(redis, root / "gateway"))
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("E2B_API_KEY", GATEWAY_KEY)

@@ -25,7 +25,6 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,10 +33,9 @@ import pytest
 from e2b import Sandbox, Secret, Volume
 
 from tests.cluster.redis_server import running_redis
-from tests.cluster.test_cluster_e2e import GATEWAY_KEY, SECRET, Gatewayed, gateway
+from tests.cluster.test_cluster_e2e import GATEWAY_KEY, Gatewayed, gateway, serve_nodes
 from tests.conftest import ROOT, run_json_script
 from tests.network.egress_world import Internet
-from tests.server.conftest import ServerProcess, serving
 
 pytestmark = [pytest.mark.vm, pytest.mark.net, pytest.mark.timeout(1200)]
 
@@ -69,21 +67,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         inet = Internet(root, "aecv-inet", "aecv-j", "10.169.3.1", INET_IP)
         stack.callback(inet.close)
         redis_srv = stack.enter_context(running_redis(root / "redis"))
-        nodes: dict[str, ServerProcess] = {}
-        for node_id, prefix, net in (("v1", "aenvcv1", 165), ("v2", "aenvcv2", 167)):
-            srv = ServerProcess(root / node_id, prefix=prefix, net=net)
-            srv.env.update({"AENV_CLUSTER": redis_srv.url(2), "AENV_NODE_ID": node_id,
-                            "AENV_ADVERTISE_URL": srv.url, "AENV_CLUSTER_SECRET": SECRET,
-                            "AENV_EGRESS_HOSTS": str(inet.hosts),
-                            "AENV_EGRESS_UPSTREAM_CA": str(inet.ca_file)})
-            nodes[node_id] = srv
-            stack.callback(srv.stop)  # even when the other one's start fails first
-        pool = stack.enter_context(ThreadPoolExecutor(2))
-        started = {i: pool.submit(srv.start) for i, srv in nodes.items()}
-        for i, srv in nodes.items():
-            srv.start = started[i].result  # type: ignore[method-assign]  # serving() waits
-            stack.enter_context(serving(srv))
-            del srv.start
+        nodes = serve_nodes(stack, root, redis_srv,
+                            (("v1", "aenvcv1", 165), ("v2", "aenvcv2", 167)),
+                            {"AENV_EGRESS_HOSTS": str(inet.hosts),
+                             "AENV_EGRESS_UPSTREAM_CA": str(inet.ca_file)})
         url = stack.enter_context(gateway(redis_srv, root / "gateway"))
         with pytest.MonkeyPatch.context() as mp:
             for var in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_VOLUME_API_URL"):
