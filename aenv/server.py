@@ -52,6 +52,25 @@ from .store.volumes import VolumeStore
 
 log = logging.getLogger("aenv.server")
 
+CLOSE_STEP_S = 25.0  # how long a part of the server may take to stop before it is left
+
+
+async def _close_step(name: str, step: Any, *, bound_s: float = CLOSE_STEP_S) -> None:
+    """Await ``step`` (a coroutine or task) for at most ``bound_s``; log a slow one, and
+    leave one that is still running then (cancelled, not awaited: a step that ignores its
+    cancellation must not hold the stop up either)."""
+    task = asyncio.ensure_future(step)
+    t0 = time.monotonic()
+    done, _ = await asyncio.wait({task}, timeout=bound_s)
+    took = time.monotonic() - t0
+    if not done:
+        task.cancel()
+        log.error("stopping: %s did not stop within %.0f s; left behind", name, bound_s)
+        return
+    if took > 2:
+        log.warning("stopping: %s took %.1f s", name, took)
+    task.result()
+
 AUTO_RESUME_MIN_TIMEOUT_S = 300
 # Host work that blocks (spawning VMMs, netlink, writing guest memory, disk clones) runs in
 # threads that mostly wait in syscalls. asyncio's default pool has cpu+4 threads, so the
@@ -206,21 +225,25 @@ class Server:
         log.info("drained: no sandbox running; stopping")
 
     async def close(self) -> None:
+        """Stop every part, in order. A part that does not finish within its bound is left
+        behind with an error that names it, so that a stop asked for (SIGTERM, a drain)
+        ends: what it leaves (a pooled VMM, a slot) is swept by the next start."""
         if self.cluster is not None:  # first: no new creates while the node stops
-            await self.cluster.close()
-        await self.metrics.close()
-        await self.builder.close()
-        await self.orchestrator.close()
-        await self.machines.close()
-        await self.egress.close()
+            await _close_step("cluster agent", self.cluster.close())
+        await _close_step("metrics", self.metrics.close())
+        await _close_step("builder", self.builder.close())
+        await _close_step("orchestrator", self.orchestrator.close())
+        # the VMM pool waits up to 30 s for a VMM being made before it ends the others
+        await _close_step("machines", self.machines.close(), bound_s=2 * CLOSE_STEP_S)
+        await _close_step("egress proxy", self.egress.close())
         if self._secrets_mirror is not None:
             self._secrets_mirror.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._secrets_mirror
+                await _close_step("secrets mirror", self._secrets_mirror)
         if self.shared_secrets is not None:
-            await self.shared_secrets.close()
-        await asyncio.to_thread(self.volumes.close)
-        await self.proxy.close()
+            await _close_step("cluster secrets", self.shared_secrets.close())
+        await _close_step("volumes", asyncio.to_thread(self.volumes.close))
+        await _close_step("proxy", self.proxy.close())
         self.db.close()
 
     async def _route(self, sandbox_id: str) -> Route | None:
