@@ -95,6 +95,11 @@ class NetworkUpdate(_Body):
     rules: dict[str, Any] | None = None
     egressProxy: dict[str, Any] | None = None
     dnsServers: list[str] | None = None
+    # Create-only options: read so that an update carrying one is refused by name
+    # (``api.network.update_options``), not ignored.
+    allowPublicTraffic: Any = None
+    maskRequestHost: Any = None
+    httpsPorts: Any = None
 
 
 class AssignTemplateTags(_Body):

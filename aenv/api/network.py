@@ -2,7 +2,7 @@
 may carry, and which of E2B's options this server refuses (spec part 2, section 3).
 
 Every option is either honoured or refused with a 400 that names it — never accepted and
-ignored:
+ignored (a create-only option in an update, too):
 
 - ``allowOut``/``denyOut`` (IPv4 addresses, CIDRs, domain names and ``*.`` wildcards) and
   ``allow_internet_access`` are the egress policy (``aenv.network.policy``); an update
@@ -132,9 +132,16 @@ def create_options(cfg: NetworkConfig | None) -> dict[str, Any] | None:
     return _checked(cfg.model_dump(exclude_none=True), cfg.dnsServers) or None
 
 
+CREATE_ONLY = ("allowPublicTraffic", "maskRequestHost", "httpsPorts")
+
+
 def update_options(body: NetworkUpdate) -> tuple[dict[str, Any], bool | None]:
-    """(egress options, allow_internet) of an update; fields left out are cleared."""
+    """(egress options, allow_internet) of an update; fields left out are cleared. The
+    create-only options are refused by name (the SDKs never send them in an update)."""
     options = body.model_dump(exclude_none=True)
+    given = [k for k in CREATE_ONLY if k in options]
+    if given:
+        raise ApiError(400, f"network.{given[0]} is set at create and cannot be updated")
     allow_internet = options.pop("allow_internet_access", None)
     return _checked(options, body.dnsServers), allow_internet
 

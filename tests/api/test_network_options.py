@@ -63,9 +63,24 @@ async def test_https_ports_are_kept_read_back_and_outlive_an_update(api) -> None
     assert (await c.get(f"/sandboxes/{sid}")).json()["network"]["httpsPorts"] == [3000, 8443]
     # Create-only: a whole-replacing update keeps them, and cannot change them.
     assert (await c.put(f"/sandboxes/{sid}/network",
-                        json={"denyOut": ["8.8.8.8"], "httpsPorts": [9000]})).status_code == 204
+                        json={"denyOut": ["8.8.8.8"]})).status_code == 204
     network = (await c.get(f"/sandboxes/{sid}")).json()["network"]
     assert network == {"httpsPorts": [3000, 8443], "denyOut": ["8.8.8.8"]}
+
+
+@pytest.mark.parametrize("field, value", [("httpsPorts", [9000]),
+                                          ("allowPublicTraffic", False),
+                                          ("maskRequestHost", "example.com")])
+async def test_an_update_that_sets_a_create_only_option_is_refused_by_name(
+        api, field, value) -> None:
+    _, c = api
+    r = await _create(c, {"httpsPorts": [3000], "denyOut": ["1.1.1.1"]})
+    sid = r.json()["sandboxID"]
+    before = (await c.get(f"/sandboxes/{sid}")).json()["network"]
+    r = await c.put(f"/sandboxes/{sid}/network", json={"denyOut": ["8.8.8.8"], field: value})
+    assert r.status_code == 400 and field in r.json()["message"], r.text
+    assert r.json()["code"] == 400
+    assert (await c.get(f"/sandboxes/{sid}")).json()["network"] == before
 
 
 @pytest.mark.parametrize("ports, says", [([49983], "49983"), ([0], "not a port"),
