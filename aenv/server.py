@@ -22,7 +22,7 @@ from .api.app import create_api
 from .api.auth import load_api_key
 from .cluster.drain import drain_router
 from .cluster.node_agent import PublishAfterChange
-from .cluster.node_setup import node_agent
+from .cluster.node_setup import node_agent, node_id
 from .cluster.owners import owner_router
 from .cluster.shared_secrets import SharedSecrets
 from .config import Settings
@@ -39,6 +39,7 @@ from .orchestrator.template_records import BASE_TEMPLATE, builtin_base
 from .orchestrator.volumes import Volumes
 from .proxy import ProxyRouter, Route, RouteTable
 from .proxy.front import Front
+from .storage.shared_volumes import SharedVolumes
 from .store import (
     VM_STATES,
     Database,
@@ -121,7 +122,12 @@ class Server:
         self.db = Database(settings.home / "aenv.db")
         self.sandboxes = SandboxStore(self.db)
         self.templates = TemplateStore(self.db)
-        self.volumes = Volumes(VolumeStore(self.db), self.sandboxes, settings)
+        # With a shared store, volumes live there and any node serves them (shared_volumes).
+        self.volumes = Volumes(
+            VolumeStore(self.db), self.sandboxes, settings,
+            SharedVolumes(settings.shared_store, node_id(settings))
+            if settings.shared_store else None)
+        self._volume_users: asyncio.Task[None] | None = None
         self.secrets = SecretStore(self.db, SecretBox(load_key(settings.secrets_dir)))
         self.machines = machines
         # In a cluster the secrets are the cluster's (``aenv.cluster.shared_secrets``): one
@@ -162,7 +168,8 @@ class Server:
 
         self.cluster = node_agent(
             settings, self.sandboxes, queued=self.orchestrator.start_queue.queued_sizes,
-            volumes=lambda: {v.id: v.name for v in self.volumes.all()}) \
+            volumes=None if self.volumes.shared else
+            lambda: {v.id: v.name for v in self.volumes.all()}) \
             if settings.cluster else None
         api = create_api(
             self.orchestrator, api_key=self.api_key, domain=self.options.domain,
@@ -186,6 +193,9 @@ class Server:
         if self.shared_secrets is not None:
             self._secrets_mirror = asyncio.create_task(self.shared_secrets.keep_mirror(),
                                                        name="cluster-secrets-mirror")
+        if self.volumes.shared is not None:
+            self._volume_users = asyncio.create_task(self.volumes.keep_users(),
+                                                     name="volume-users")
         live = self.sandboxes.live()
         await self.machines.prepare({r.slot for r in live if r.slot is not None},
                                     {Path(r.vm_dir).name for r in live if r.vm_dir})
@@ -242,6 +252,10 @@ class Server:
                 await _close_step("secrets mirror", self._secrets_mirror)
         if self.shared_secrets is not None:
             await _close_step("cluster secrets", self.shared_secrets.close())
+        if self._volume_users is not None:
+            self._volume_users.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await _close_step("volume users", self._volume_users)
         await _close_step("volumes", asyncio.to_thread(self.volumes.close))
         await _close_step("proxy", self.proxy.close())
         self.db.close()

@@ -59,7 +59,11 @@ async def _create(request: Request, body: NewSandbox, idem: str | None, v1: bool
     )
     timings: dict[str, float] = {}
     t_handler = time.perf_counter()
-    rec = await orch(request).create(opts, timings)
+    try:
+        rec = await orch(request).create(opts, timings)
+    finally:
+        if opts.volume_mounts:  # held by resolve_mounts until the create ends
+            await request.app.state.volumes.release(opts.volume_mounts)
     received = request.scope.get("aenv.received")
     if received is not None:
         timings = {"api": t_handler - received + (time.perf_counter() - t_handler

@@ -44,7 +44,8 @@ One listener, as a node has (``aenv.proxy.front.Front`` decides per request):
   store (``AENV_SHARED_STORE``) any node starts a template built elsewhere.
 - Volumes live on the node that made them (``volume_routes``): their REST and content
   calls (``/volumecontent``, before the key check: the volume's token) go there, and a
-  create with ``volumeMounts`` goes to that node only.
+  create with ``volumeMounts`` goes to that node only; shared volumes (nodes with a shared
+  store) are served by any node that has it, and their sandboxes go to any of those.
 - Secrets (``/secrets``) are the cluster's, in Redis (``shared_secrets``): the gateway
   serves them itself, with a node's own routes and rules (``aenv.api.secrets``).
   Anything else answers 501.
@@ -88,7 +89,7 @@ from .registry import NodeStatus, Registry
 from .scheduling import RETRY_AFTER_S, Ask, candidates
 from .shared_secrets import SharedSecrets, secrets_app
 from .trust import SECRET_HEADER
-from .volume_routes import VolumeRoutes, content_first, is_volume_call
+from .volume_routes import SHARED, VolumeRoutes, content_first, is_volume_call
 
 log = logging.getLogger("aenv.gateway")
 
@@ -348,7 +349,11 @@ class Gateway:
         mounts_on = await self.volumes.mounts_node(body)
         if isinstance(mounts_on, Reply):
             return mounts_on
-        if mounts_on is not None:  # where its volumes live; that node's admission decides
+        if mounts_on == SHARED:  # shared volumes: any node that serves them
+            order = [n for n in order if n.record.shared_volumes]
+            if not any(n.record.shared_volumes and n.status == "ready" for n in nodes):
+                return Reply.error(503, "no node that serves shared volumes is ready")
+        elif mounts_on is not None:  # where its volumes live; that node's admission decides
             order = [n for n in nodes if n.record.node_id == mounts_on and n.status == "ready"]
             if not order:
                 return Reply.error(503, f"the node of the sandbox's volumes ({mounts_on}) is "

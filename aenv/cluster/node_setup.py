@@ -9,6 +9,8 @@ queue's bound among them) and what those sandboxes, and the creates waiting in i
 queue, use of them, so gateways send creates only where they fit or can wait; and its
 volumes, so that gateways route a volume's calls, and the creates that mount it, here. A
 paused sandbox that mounts volumes is not offered to other nodes: its volumes live here.
+A node with a shared store publishes no volumes but ``shared_volumes`` in its record:
+its volumes are in the shared store, and any such node serves them.
 """
 
 from __future__ import annotations
@@ -137,7 +139,8 @@ def node_agent(settings: Settings, sandboxes: SandboxStore,
                         max_starting=cap.max_starting, start_queue=cap.start_queue,
                         vcpus=cap.vcpus,
                         memory_mb=cap.memory_mb,
-                        restores=restores(settings) if shared else {})
+                        restores=restores(settings) if shared else {},
+                        shared_volumes=shared is not None)
     requires: dict[str, str] = {}  # snapshot ref -> its requirements (snapshots never change)
 
     def offered(ref: str | None) -> str:

@@ -81,6 +81,9 @@ class NodeRecord:
     # which the node itself checks): the gateway sends a paused sandbox only to nodes that
     # can restore it.
     restores: dict[str, Any] = field(default_factory=dict)
+    # Its volumes live in the shared store (``aenv.storage.shared_volumes``): it serves
+    # any shared volume, and publishes none of its own.
+    shared_volumes: bool = False
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

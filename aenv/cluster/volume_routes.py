@@ -1,7 +1,23 @@
-"""The gateway's volume calls: a volume lives on one node, and its calls go there.
+"""The gateway's volume calls: a node-local volume's go to its node; a shared one's to any.
 
-A volume is an image on the node that made it (``aenv.storage.volumes``), served to that
-node's sandboxes only. Each node publishes its volumes (``Registry.volume_node``,
+**Shared volumes.** A node with a shared store keeps its volumes there
+(``aenv.storage.shared_volumes``) and says so in its record (``shared_volumes``) instead of
+publishing them: every such node serves every shared volume. A volume id or name that no
+node published is taken for a shared one when a node of the cluster serves them:
+
+- ``POST /volumes`` goes to a ready shared-volume node when there is one (names are unique
+  through the shared store itself; the Redis claim below still holds while it runs);
+- ``GET``/``DELETE /volumes/{id}`` and ``/volumecontent/{id}/...`` go to a live shared-volume
+  node, ready ones first in random order, the next one when a node refuses the connection
+  (503 when none is alive; the node answers 404/401 for an id it does not hold);
+- a sandbox create that mounts only such volumes goes to the best ready node among those
+  that serve them (``SHARED``), not to one node: sandboxes on every node mount the volume.
+
+Node-local volumes (nodes without a shared store) keep the rules below.
+
+A node-local volume is an image on the node that made it (``aenv.storage.volumes``),
+served to that node's sandboxes only.
+Each node publishes its volumes (``Registry.volume_node``,
 ``volume_name_node``), before its answer to a volume's create or delete goes out, so:
 
 - ``POST /volumes``: the name is claimed in Redis for the time of the create
@@ -31,6 +47,7 @@ node's sandboxes only. Each node publishes its volumes (``Registry.volume_node``
 from __future__ import annotations
 
 import json
+import random
 import secrets
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -46,6 +63,8 @@ if TYPE_CHECKING:
     from .gateway import Gateway, Reply
 
 CONTENT_PREFIX = "/volumecontent/"
+# ``mounts_node``: the create's volumes are shared ones; any node that serves them will do.
+SHARED = "*shared*"
 # The SDKs give a volume's file calls an hour; a stream's bytes may pause that long too.
 CONTENT_TIMEOUT_S = 3600.0
 CREATE_TIMEOUT_S = 120.0
@@ -82,6 +101,31 @@ class VolumeRoutes:
         home = await self.registry.volume_node(volume_id)
         return await self.registry.node(home) if home else None
 
+    async def _shared_nodes(self) -> tuple[list[NodeStatus], bool]:
+        """The live nodes that serve shared volumes, ready ones first (each group in random
+        order, to spread the calls), and whether any such node is registered at all."""
+        nodes = [n for n in await self.registry.nodes() if n.record.shared_volumes]
+        ready = [n for n in nodes if n.status == "ready"]
+        rest = [n for n in nodes if n.alive and n.status != "ready"]
+        random.shuffle(ready)
+        return ready + rest, bool(nodes)
+
+    async def _to_shared(self, scope: Scope, body: bytes, volume_id: str) -> Reply:
+        from .gateway import CALL_TIMEOUT_S, Reply
+
+        nodes, any_shared = await self._shared_nodes()
+        for node in nodes:
+            try:
+                return await self.gw._call(self.gw._request(node, scope, body), CALL_TIMEOUT_S)
+            except httpx.ConnectError:
+                continue
+            except httpx.HTTPError as e:
+                return Reply.error(502, f"node {node.record.node_id} did not answer about "
+                                   f"volume {volume_id}: {e}")
+        if any_shared:
+            return Reply.error(503, "no node that serves shared volumes is reachable")
+        return Reply.error(404, f"Volume {volume_id} not found")
+
     # -- REST
 
     async def rest(self, scope: Scope, body: bytes) -> Reply:
@@ -97,7 +141,7 @@ class VolumeRoutes:
         volume_id = path[len("/volumes/"):].strip("/")
         node = await self._node(volume_id)
         if node is None:
-            return Reply.error(404, f"Volume {volume_id} not found")
+            return await self._to_shared(scope, body, volume_id)
         if not node.alive:
             return Reply.error(503, f"the node of volume {volume_id} ({node.record.node_id}) "
                                "is unreachable")
@@ -118,6 +162,8 @@ class VolumeRoutes:
                 return Reply.error(409, f"a volume named '{name}' is being created")
         try:
             nodes = await self.registry.nodes()
+            if any(n.record.shared_volumes and n.status == "ready" for n in nodes):
+                nodes = [n for n in nodes if n.record.shared_volumes]
             order = candidates(nodes, self.gw.in_flight, queue=True) or \
                 [n for n in nodes if n.status == "ready"]
             last: Reply | None = None
@@ -140,8 +186,9 @@ class VolumeRoutes:
                 await self.registry.release_volume_name(name, token)
 
     async def mounts_node(self, body: bytes) -> str | Reply | None:
-        """The node a create's volumes live on (None: it mounts none), or the answer that
-        refuses it. Its template counts when it is a snapshot pinned to a node's volumes."""
+        """The node a create's volumes live on (None: it mounts none; ``SHARED``: they are
+        shared volumes, any node that serves them), or the answer that refuses it. Its
+        template counts when it is a snapshot pinned to a node's volumes."""
         from .gateway import Reply, _field
 
         names = _names(body)
@@ -153,7 +200,18 @@ class VolumeRoutes:
             f"volume {n}": await self.registry.volume_name_node(n) for n in names}
         missing = [n for n, home in homes.items() if home is None]
         if missing:
-            return Reply.error(400, f"volume '{missing[0][len('volume '):]}' does not exist")
+            shared = {n.record.node_id for n in await self.registry.nodes()
+                      if n.record.shared_volumes}
+            if not shared:
+                return Reply.error(400, f"volume '{missing[0][len('volume '):]}' does not "
+                                   "exist")
+            local = sorted({h for h in homes.values() if h is not None})
+            if local:
+                return Reply.error(400, f"the volumes of node {local[0]} cannot be mounted "
+                                   "with shared volumes")
+            # The node checks the names; a snapshot pinned to a node that serves them
+            # keeps its pin (its sandboxes are made there).
+            return pinned if pinned in shared else SHARED
         if pinned is not None:
             homes[f"the volumes of snapshot {template}"] = pinned
         where = sorted({h for h in homes.values() if h is not None})
@@ -198,14 +256,28 @@ class VolumeRoutes:
         volume_id = scope["path"][len(CONTENT_PREFIX):].split("/", 1)[0]
         try:
             node = await self._node(volume_id)
+            shared, any_shared = ([], False) if node is not None \
+                else await self._shared_nodes()
         except (RedisError, OSError):
             return await _error(send, 503, "unavailable",
                                 "the cluster's registry (Redis) is unreachable")
-        if node is None:
+        if node is None and not any_shared:
             return await _error(send, 401, "unauthorized", "missing or invalid volume token")
+        if node is None:
+            for one in shared:  # a shared volume: any node that serves them
+                if await self._stream(one, scope, receive, send, volume_id, retry=True):
+                    return
+            return await _error(send, 503, "unavailable",
+                                "no node that serves shared volumes is reachable")
         if not node.alive:
             return await _error(send, 503, "unavailable", f"the node of volume {volume_id} "
                                 f"({node.record.node_id}) is unreachable")
+        await self._stream(node, scope, receive, send, volume_id, retry=False)
+
+    async def _stream(self, node: NodeStatus, scope: Scope, receive: Receive, send: Send,
+                      volume_id: str, *, retry: bool) -> bool:
+        """Stream the call to ``node`` and its answer back; False (nothing sent) when
+        ``retry`` and the node refused the connection, so that the next may take it."""
         headers = [(k, v) for k, v in scope["headers"] if k not in _HOP]
         has_body = scope["method"] in ("PUT", "POST", "PATCH")
 
@@ -229,10 +301,17 @@ class VolumeRoutes:
         try:
             response = await self.gw.http.send(request, stream=True)
         except _ClientGone:
-            return  # the upload stopped half way: the node's connection is dropped with it
+            return True  # the upload stopped half way: the node's connection is dropped too
+        except httpx.ConnectError:
+            if retry:
+                return False
+            await _error(send, 502, "bad_gateway",
+                         f"the node of volume {volume_id} did not answer: refused")
+            return True
         except httpx.HTTPError as e:
-            return await _error(send, 502, "bad_gateway",
-                                f"the node of volume {volume_id} did not answer: {e}")
+            await _error(send, 502, "bad_gateway",
+                         f"the node of volume {volume_id} did not answer: {e}")
+            return True
         try:
             out = [(k, v) for k, v in response.headers.raw if k.lower() not in _OUT_HOP]
             await send({"type": "http.response.start", "status": response.status_code,
@@ -242,6 +321,7 @@ class VolumeRoutes:
             await send({"type": "http.response.body", "body": b""})
         finally:
             await response.aclose()
+        return True
 
 
 class _ClientGone(Exception):

@@ -55,6 +55,9 @@ class VolumeFull(PathError):
     status, code = 507, "insufficient_storage"
 
 
+FULL = "the volume is full (its size is its quota)"
+
+
 def parts(path: str) -> list[str]:
     """The components of a volume path, ``..`` resolved lexically; above the root is an
     error. ``/``, ``""`` and ``.`` are the root (``[]``)."""
@@ -116,9 +119,15 @@ def entry(components: list[str], st: os.stat_result, target: str | None = None
 
 @dataclass
 class Volume:
-    """A volume's root, by path; every call opens it afresh (volumes are few and calls short)."""
+    """A volume's root, by path; every call opens it afresh (volumes are few and calls short).
+
+    ``limit``: a size in bytes that uploads must keep the volume under, for a volume whose
+    filesystem does not bound it (a shared volume without a hard quota,
+    ``storage.shared_volumes``); None where the filesystem itself does (an image, an XFS
+    project quota). The volume's blocks are counted once per upload, at its start."""
 
     root: str
+    limit: int | None = None
 
     @contextmanager
     def _root(self) -> Iterator[int]:
@@ -258,6 +267,10 @@ class Volume:
             owner = _owner(root)
         with self.directory(components[:-1], create=True, owner=owner) as d:
             dfd = os.dup(d)
+        room = None if self.limit is None else self.limit - tree_bytes(self.root)
+        if room is not None and room <= 0:
+            os.close(dfd)
+            raise VolumeFull(FULL)
         tmp = _TMP_PREFIX + secrets.token_hex(8)
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
@@ -265,7 +278,7 @@ class Volume:
         except OSError as e:
             os.close(dfd)
             raise _os_error(e, components) from None
-        return Upload(components, dfd, tmp, fd, owner)
+        return Upload(components, dfd, tmp, fd, owner, room)
 
 
 @dataclass
@@ -277,8 +290,13 @@ class Upload:
     tmp: str
     fd: int
     owner: tuple[int, int]
+    room: int | None = None   # bytes the volume's limit leaves (``Volume.limit``)
 
     def write(self, data: bytes) -> None:
+        if self.room is not None:
+            self.room -= len(data)
+            if self.room < 0:
+                raise VolumeFull(FULL)
         view = memoryview(data)
         while view:
             try:
@@ -386,7 +404,7 @@ def _walk_error(e: OSError, components: list[str]) -> PathError:
 
 def _os_error(e: OSError, components: list[str]) -> PathError:
     if e.errno in (28, 122):  # ENOSPC, EDQUOT
-        return VolumeFull("the volume is full (its size is its quota)")
+        return VolumeFull(FULL)
     if isinstance(e, FileExistsError):
         return PathConflict(f"Path {display(components)} exists")
     if isinstance(e, FileNotFoundError):
@@ -394,3 +412,24 @@ def _os_error(e: OSError, components: list[str]) -> PathError:
     if isinstance(e, NotADirectoryError):
         return PathConflict(f"a part of {display(components)} is a file")
     return PathError(f"{display(components)}: {e.strerror}")
+
+
+def tree_bytes(root: str | os.PathLike[str]) -> int:
+    """Bytes of the blocks under ``root`` (links not followed): what a quota counts."""
+    total = 0
+    stack = [os.fspath(root)]
+    while stack:
+        try:
+            it = os.scandir(stack.pop())
+        except OSError:
+            continue
+        with it:
+            for e in it:
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                total += st.st_blocks * 512
+                if e.is_dir(follow_symlinks=False):
+                    stack.append(e.path)
+    return total

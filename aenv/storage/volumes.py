@@ -17,9 +17,10 @@ finds it mounted and takes it as is; two mounts of one image would corrupt it, s
 ``ensure_mounted`` never mounts one whose mountpoint is already a mount). A clean shutdown
 unmounts the volumes nothing uses.
 
-Clustered nodes: volumes are node-local. ``volumes_dir`` is the one seam — an image on a
-shared directory (``AENV_SHARED_STORE``) must not be loop-mounted by two nodes at once, so
-sharing them needs a single NFS server per volume, not this module.
+A node with a shared store (``AENV_SHARED_STORE``) keeps its volumes there instead, as
+plain directories (``storage.shared_volumes``: an image on a shared directory must never be
+loop-mounted by two nodes at once); ``volume_root`` and ``ensure_mounted`` answer for both,
+so the NFS server (``volume_server``) serves either the same way.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import shutil
 from pathlib import Path
 
 from ..config import Settings
+from . import shared_volumes
 from ._run import run
 from .errors import CommandFailed, StorageError
 
@@ -50,7 +52,10 @@ def volumes_dir(settings: Settings) -> Path:
 
 
 def volume_root(settings: Settings, volume_id: str) -> Path:
-    """The mounted filesystem of ``volume_id`` (what the content API and NFS serve)."""
+    """The mounted filesystem of ``volume_id`` (what the content API and NFS serve); its
+    directory in the shared store when the node has one."""
+    if settings.shared_store is not None:
+        return shared_volumes.root_in(settings.shared_store, volume_id)
     return volumes_dir(settings) / volume_id / ROOT
 
 
@@ -106,7 +111,16 @@ def _mount(image: Path, root: Path) -> None:
 
 
 def ensure_mounted(settings: Settings, volume_id: str) -> Path:
-    """The root of an existing volume, mounted (after a reboot of the host, say)."""
+    """The root of an existing volume, mounted (after a reboot of the host, say); a shared
+    volume's directory, which needs no mount, when the node has a shared store."""
+    if settings.shared_store is not None:
+        try:
+            root = shared_volumes.root_in(settings.shared_store, volume_id)
+        except shared_volumes.SharedVolumeError as e:
+            raise VolumeError(str(e)) from e
+        if not root.is_dir():
+            raise VolumeError(f"volume {volume_id} has no directory in the shared store")
+        return root
     directory = volumes_dir(settings) / volume_id
     root = directory / ROOT
     if is_mountpoint(root):
