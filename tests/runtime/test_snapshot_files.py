@@ -230,7 +230,6 @@ def test_a_capture_writes_exactly_the_pages_that_differ_from_the_stack(
     from aenv.runtime import qemu_snapshot
 
     monkeypatch.setattr(qemu_snapshot, "_CHUNK_PAGES", 16)  # runs cut into several chunks
-    monkeypatch.setattr(qemu_snapshot, "_BLOCK", 4)
     path = tmp_path / "ram"
     path.write_bytes(b"\x01" * SIZE)
     child = subprocess.Popen([sys.executable, "-c", WRITER_CHILD, str(path), str(SIZE)],
@@ -260,3 +259,25 @@ def test_a_capture_writes_exactly_the_pages_that_differ_from_the_stack(
     assert data[11 * PAGE] == 11
     assert all(data[p * PAGE:(p + 1) * PAGE] == bytes([p]) * PAGE for p in range(30, 64))
 
+
+
+def test_differing_pages_agrees_with_a_page_by_page_comparison() -> None:
+    """Sampled first, then in full: pages that differ only between the samples, runs of
+    equal pages around a lone changed one, and pages that differ at a sample."""
+    import mmap
+    import random
+
+    from aenv.runtime import qemu_snapshot
+
+    rng = random.Random(7)
+    n = 300
+    data, ref = mmap.mmap(-1, (n + 3) * PAGE), mmap.mmap(-1, n * PAGE)
+    ref[:] = rng.randbytes(n * PAGE)
+    off = 3 * PAGE  # the run starts inside the chunk
+    data[off:] = ref[:]
+    for p in rng.sample(range(n), 60):
+        at = p * PAGE + rng.randrange(PAGE)
+        data[off + at] = (ref[at] + 1) % 256
+    want = bytearray(int(data[off + p * PAGE:off + (p + 1) * PAGE] != ref[p * PAGE:(p + 1) * PAGE])
+                     for p in range(n))
+    assert qemu_snapshot._differing_pages(data, off, ref, n) == want
