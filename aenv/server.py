@@ -156,6 +156,7 @@ class Server:
         self.metrics = MetricsCollector(self.sandboxes, interval=self.options.metrics_interval)
         self.proxy = ProxyRouter(RouteTable(self._route))
         self.orchestrator.on_stop.append(self.proxy.forget)
+        self.orchestrator.shared_volumes = self.volumes.shared
         self.api_key, self.api_key_file = load_api_key(settings.secrets_dir, settings.api_key)
 
         @asynccontextmanager
@@ -256,6 +257,10 @@ class Server:
             self._volume_users.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await _close_step("volume users", self._volume_users)
+            # what the node leaves mounting shared volumes (paused sandboxes), said last
+            with contextlib.suppress(OSError):
+                await _close_step("volume users",
+                                  asyncio.to_thread(self.volumes.publish_users))
         await _close_step("volumes", asyncio.to_thread(self.volumes.close))
         await _close_step("proxy", self.proxy.close())
         self.db.close()

@@ -38,10 +38,13 @@ Each node publishes its volumes (``Registry.volume_node``,
 - A sandbox create with ``volumeMounts`` (names) goes to the node of its volumes, whose own
   admission decides (``mounts_node``): 400 for a name no node holds (what a node answers)
   or volumes of two nodes, which no sandbox can mount together.
-- A persistent snapshot of a sandbox that mounts volumes (``POST /sandboxes/{id}/
-  snapshots`` through a gateway) makes sandboxes that mount them too, which only that
-  node can serve: its id and names are pinned there (``Registry.pin_to_volumes``,
-  ``after_sandbox_call``), and a create from it goes there as a create with those mounts.
+- A persistent snapshot of a sandbox that mounts node-local volumes (``POST
+  /sandboxes/{id}/snapshots`` through a gateway) makes sandboxes that mount them too,
+  which only that node can serve: its id and names are pinned there
+  (``Registry.pin_to_volumes``, ``after_sandbox_call``), and a create from it goes there
+  as a create with those mounts. One of a shared-volume node is not pinned: the node
+  keeps its mounts in the shared store with the snapshot (``put_snapshot_mounts``), and
+  any node that takes the snapshot mounts them.
 """
 
 from __future__ import annotations
@@ -237,8 +240,8 @@ class VolumeRoutes:
             return
         owner = await self.registry.locate(sandbox_id)
         node = await self.registry.node(owner) if owner else None
-        if node is None:
-            return
+        if node is None or node.record.shared_volumes:
+            return  # shared volumes: any node that serves them makes its sandboxes
         ask: Scope = {"type": "http", "method": "GET", "path": f"/sandboxes/{sandbox_id}",
                       "query_string": b"", "headers": []}
         try:

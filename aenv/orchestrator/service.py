@@ -23,6 +23,7 @@ from typing import Any
 
 from ..cluster.handover import Handover, Offer, SharedTemplates
 from ..storage.image_ref import ImageRef
+from ..storage.shared_volumes import SharedVolumes
 from ..store import (
     VM_STATES,
     BuildStatus,
@@ -138,6 +139,9 @@ class Orchestrator:
         # Called with the sandbox id after its VM stopped (kill, pause): e.g. the proxy
         # drops pooled connections to the address the VM had.
         self.on_stop: list[Callable[[str], Awaitable[None]]] = []
+        # With volumes in the shared store: where a shared persistent snapshot's volume
+        # mounts are kept, for the nodes that lack its source's record.
+        self.shared_volumes: SharedVolumes | None = None
 
     # -- service life ---------------------------------------------------------------------
 
@@ -262,6 +266,8 @@ class Orchestrator:
         if tpl.kind is not TemplateKind.SNAPSHOT or not tpl.source_sandbox:
             return None
         src = self.sandboxes.get(tpl.source_sandbox, live_only=False)
+        if src is None and self.shared_volumes is not None:  # made on another node
+            return self.shared_volumes.snapshot_mounts(tpl.id)
         return src.volume_mounts if src is not None else None
 
     async def _start(self, rec: SandboxRecord, tpl: TemplateRecord,
@@ -453,6 +459,8 @@ class Orchestrator:
         self.templates.delete(tpl.id)
         if (shelf := self.shared_templates) is not None:
             shelf.remove(tpl)
+            if self.shared_volumes is not None:
+                self.shared_volumes.drop_snapshot_mounts(tpl.id)
 
     def gc_roots(self) -> set[str]:
         """Every snapshot or layer reference something still uses: what the records name,
@@ -703,6 +711,8 @@ class Orchestrator:
         try:
             image = ImageRef.parse(tpl.image)
             if image.is_snapshot and handover.store.has(image.id):
+                if self.shared_volumes is not None and (mounts := self._snapshot_mounts(tpl)):
+                    self.shared_volumes.put_snapshot_mounts(tpl.id, mounts)
                 shelf.put(tpl)
         except Exception:
             log.exception("template %s: not shared with the cluster", tpl.id)

@@ -11,6 +11,9 @@ volume with it. Layout under ``<shared store>/volumes/``::
     names/<name>           the id of the volume that holds the name (see below)
     deleting/<id>          a delete in progress (its time); see "Delete"
     users/<node>.json      what each node's sandboxes mount; see "Delete"
+    snapshots/<id>.json    the volume mounts of a shared persistent snapshot (template
+                           id): its sandboxes mount them on any node, where its source
+                           sandbox's record is not
 
 **Records.** The shared store is the truth, not Redis and not a node's SQLite: a record
 is written atomically (``durable.write_atomic``: temp file, fsync, rename), so every node
@@ -93,7 +96,7 @@ class SharedVolumes:
         self.base = Path(store_root) / VOLUMES
         self.node_id = node_id
         self.users_stale_s = users_stale_s
-        for d in ("data", "records", "names", "deleting", "users", "trash"):
+        for d in ("data", "records", "names", "deleting", "users", "trash", "snapshots"):
             (self.base / d).mkdir(parents=True, exist_ok=True)
 
     # -- paths
@@ -324,6 +327,24 @@ class SharedVolumes:
             out += [f"{s} (node {node})" for s in mounts]
         return out
 
+
+    # -- persistent snapshots' mounts
+
+    def put_snapshot_mounts(self, template_id: str, mounts: list[dict[str, str]]) -> None:
+        durable.write_atomic(self.base / "snapshots" / f"{_checked(template_id)}.json",
+                             json.dumps(mounts).encode())
+
+    def snapshot_mounts(self, template_id: str) -> list[dict[str, str]] | None:
+        try:
+            raw = (self.base / "snapshots" / f"{_checked(template_id)}.json").read_bytes()
+            mounts: list[dict[str, str]] = json.loads(raw)
+        except (OSError, ValueError, SharedVolumeError):
+            return None
+        return mounts
+
+    def drop_snapshot_mounts(self, template_id: str) -> None:
+        with contextlib.suppress(SharedVolumeError):
+            (self.base / "snapshots" / f"{_checked(template_id)}.json").unlink(missing_ok=True)
 
     # last: its name would hide the builtin in the annotations after it
     def list(self) -> list[VolumeRecord]:
