@@ -44,7 +44,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from ..network.guest_link import GUEST_MAC
 
@@ -275,6 +275,22 @@ class Compaction(abc.ABC):
 # -- handles --------------------------------------------------------------------------------
 
 
+class DeferredMemory(abc.ABC):
+    """The rest of a pause that answered before guest memory was written
+    (``VM.pause_deferred``): the snapshot ``directory`` is committed with its device state,
+    drives and a ``memory.pending`` marker (``aenv.storage.snapshots.memory_pending``), and
+    the VMM waits, frozen, for ``write``."""
+
+    directory: Path
+
+    @abc.abstractmethod
+    async def write(self) -> dict[str, float]:
+        """Copy the memory layer out of the frozen VMM into ``directory``, make it durable,
+        finish the manifest, remove the marker (in that order: a crash at any point leaves
+        the marker until the layer is whole), then end the VMM. Returns seconds per phase.
+        Raises ``SnapshotError`` (the marker stays; the VMM is ended all the same)."""
+
+
 class VM(abc.ABC):
     """A running (or paused) VM owned by one VMM process.
 
@@ -321,6 +337,22 @@ class VM(abc.ABC):
         snapshot the VM came from is written. Raises ``SnapshotError``; the directory is
         not created then.
         """
+
+    async def pause_deferred(self, directory: Path, note: dict[str, Any] | None = None
+                             ) -> tuple[SnapshotInfo, DeferredMemory | None]:
+        """A pause (``snapshot(stop=True)``) that may answer before guest memory is written:
+        with a ``DeferredMemory``, the snapshot is committed but its memory layer is still
+        to be written by ``DeferredMemory.write`` (the caller must call it, and must not
+        restore ``directory`` before it returned); ``note`` goes into the marker
+        (``snapshots.PendingMemory``). By default (Firecracker: its own snapshot API
+        writes memory with the state) the whole pause is done here, nothing deferred."""
+        return await self.snapshot(directory, stop=True), None
+
+    def deferred_memory(self, directory: Path) -> DeferredMemory:
+        """The pending memory write of a pause into ``directory`` whose server stopped
+        before writing it, for a VMM adopted after a restart (``Runtime.attach``)."""
+        raise NotSupportedError("this driver does not defer a pause's memory",
+                                vm_id=self.vm_id)
 
     def active_drive(self, drive_id: str) -> Path:
         """The host file the VM writes drive ``drive_id`` to now. A driver whose running

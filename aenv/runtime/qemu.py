@@ -255,6 +255,17 @@ class QemuVM(VM):
         return await qemu_snapshot.capture(self, directory, stop=stop, incremental=incremental,
                                            max_chain=self._max_chain)
 
+    async def pause_deferred(self, directory: Path, note: dict[str, Any] | None = None
+                             ) -> tuple[SnapshotInfo, qemu_snapshot.QemuDeferredMemory | None]:
+        """A restored VM's pause answers once its device state and drives are committed;
+        its memory is written by the returned ``QemuDeferredMemory``
+        (``qemu_snapshot.capture_deferred``). ``note``: kept in the marker for a restart."""
+        return await qemu_snapshot.capture_deferred(self, directory, note=note or {},
+                                                    max_chain=self._max_chain)
+
+    def deferred_memory(self, directory: Path) -> qemu_snapshot.QemuDeferredMemory:
+        return qemu_snapshot.QemuDeferredMemory(self, directory, self._max_chain)
+
     def active_drive(self, drive_id: str) -> Path:
         """A running snapshot switches a qcow2 drive onto a new overlay; the lineage
         records which file is the top now."""

@@ -102,6 +102,7 @@ from . import workdir as wd
 from .base import (
     Accel,
     Compaction,
+    DeferredMemory,
     Drive,
     DriveFormat,
     MachineRecordError,
@@ -651,12 +652,17 @@ class QemuCapture(CaptureSteps):
     its VMM quits in ``finish``; ``freeze_s`` counts until the capture was complete
     (``thaw``)."""
 
-    def __init__(self, vm: QemuVM, max_chain: int) -> None:
+    def __init__(self, vm: QemuVM, max_chain: int,
+                 defer: dict[str, Any] | None = None) -> None:
         self.vm = vm
         self.vm_id = vm.vm_id
         self.workdir = vm.workdir
         self.max_chain = max_chain
         self.was_running = False
+        # A pause that may leave a restored VM's memory to ``QemuDeferredMemory``: the
+        # caller's note for the marker (``snapshots.PendingMemory.note``).
+        self.defer = defer
+        self.deferred = False
 
     def is_alive(self) -> bool:
         return self.vm.is_alive()
@@ -701,7 +707,14 @@ class QemuCapture(CaptureSteps):
         """A restored VM: the pages it wrote, against its parent's stack; a booted one: a
         sparse copy of its RAM file."""
         vm = self.vm
-        if self.lineage.memory == "private":
+        if self.lineage.memory == "private" and c.stop and self.defer is not None:
+            # Deferred: the manifest names the parent's layers until the marker goes.
+            assert self.parent is not None
+            snap.write_pending(self.staging, snap.PendingMemory(
+                vm.workdir, c.incremental, self.defer))
+            self.mem = _MemoryResult(self.parent.layers, 0, method="deferred")
+            self.deferred = True
+        elif self.lineage.memory == "private":
             assert self.parent is not None
             self.mem = await asyncio.to_thread(
                 _capture_private, vm.pid, vm.workdir, self.staging, self.parent,
@@ -766,6 +779,8 @@ class QemuCapture(CaptureSteps):
         """A pause: the VMM quits, then the VM's own names of the drive tops it moved into
         the snapshot go (a crash before this leaves a frozen VM to re-attach). A running
         VM: the lineage names the snapshot and the overlays it runs on now."""
+        if c.stop and self.deferred:
+            return  # frozen, for QemuDeferredMemory.write
         if c.stop:
             c.vmm_stopped = True
             await self.vm.stop()
@@ -786,6 +801,101 @@ async def capture(vm: QemuVM, directory: Path, *, stop: bool, incremental: bool,
     """``QemuVM.snapshot``: see ``aenv.runtime.base.VM.snapshot`` and the module docstring."""
     return await snapshot_recipe.capture(QemuCapture(vm, max_chain), directory, stop=stop,
                                          incremental=incremental)
+
+
+async def capture_deferred(vm: QemuVM, directory: Path, *, note: dict[str, Any],
+                           max_chain: int) -> tuple[SnapshotInfo, QemuDeferredMemory | None]:
+    """``QemuVM.pause_deferred``: a pause whose memory, for a restored VM, is written after
+    the answer by the returned ``QemuDeferredMemory`` (a booted VM's pause is whole here).
+    See the module docstring's "Deferred memory"."""
+    steps = QemuCapture(vm, max_chain, defer=note)
+    info = await snapshot_recipe.capture(steps, directory, stop=True, incremental=True)
+    if not steps.deferred:
+        return info, None
+    return info, QemuDeferredMemory(vm, directory, max_chain)
+
+
+class QemuDeferredMemory(DeferredMemory):
+    """The memory half of a deferred pause (``aenv.runtime.base.DeferredMemory``): the
+    frozen VMM's written pages into the committed snapshot ``directory``. Phases:
+    ``memory_scan``, ``memory_prepare``, ``memory_copy`` (as a capture's), ``memory_fsync``
+    and ``manifest`` (the layer made durable and named), ``vmm_stop``."""
+
+    def __init__(self, vm: QemuVM, directory: Path, max_chain: int) -> None:
+        self.vm = vm
+        self.directory = directory
+        self.max_chain = max_chain
+
+    async def write(self) -> dict[str, float]:
+        vm = self.vm
+        tops = _own_tops(vm.workdir)
+        error: BaseException | None = None
+        phases: dict[str, float] = {}
+        try:
+            phases = await asyncio.to_thread(_write_pending_memory, vm.pid, vm.workdir,
+                                             self.directory, self.max_chain)
+        except Exception as e:
+            error = e
+        t = PhaseTimer()
+        await vm.stop()
+        for top in tops:  # the snapshot holds them now (``_take_drive``)
+            top.unlink(missing_ok=True)
+        phases["vmm_stop"] = t.elapsed()
+        if error is not None:
+            raise SnapshotError(f"memory of the pause of {vm.vm_id} into {self.directory} "
+                                f"was not written: {error}", vm_id=vm.vm_id,
+                                vm_lost=True) from error
+        log.info("pause %s: memory written after the answer (%s)", self.directory.name,
+                 ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in phases.items()),
+                 extra={"vm_id": vm.vm_id, "op": "pause_memory",
+                        "duration": sum(phases.values())})
+        return phases
+
+
+def _own_tops(workdir: Path) -> list[Path]:
+    """The real paths of a VM's writable drive tops, as its lineage names them."""
+    try:
+        machine = read_machine(workdir)
+        lineage = Lineage.load(workdir, machine)
+    except (SnapshotError, OSError, ValueError, KeyError):
+        return []
+    return [(workdir / lineage.tops[d.id]).resolve() for d in machine.drives
+            if not d.read_only and d.id in lineage.tops]
+
+
+def _write_pending_memory(pid: int, workdir: Path, directory: Path,
+                          max_chain: int) -> dict[str, float]:
+    """The memory layer of the deferred pause ``directory`` from the frozen VMM ``pid``,
+    exactly as ``save_memory`` would have written it; then, in this order, the layer's
+    files fsynced, the manifest rewritten to name it (atomically, durably) and the marker
+    removed. A crash before the marker's removal leaves it: a restarted server writes the
+    layer again from the VMM (the leftovers of this attempt are removed first), or, with
+    the VMM gone, the snapshot stays unrestorable."""
+    pending = snap.read_pending(directory)
+    if pending is None:
+        raise SnapshotError(f"{directory} has no pending memory")
+    manifest = snap.read_manifest(directory)
+    if manifest.parent is None:
+        raise SnapshotError(f"{directory}: a deferred pause without a parent snapshot")
+    parent = snap.read_manifest(manifest.parent)
+    for name in (snap.MEMORY, snap.MEMORY_RUNS):
+        (directory / name).unlink(missing_ok=True)
+    mem = _capture_private(pid, workdir, directory, parent,
+                           incremental=pending.incremental, max_chain=max_chain)
+    t = PhaseTimer()
+    for name in (snap.MEMORY, snap.MEMORY_RUNS):
+        if (directory / name).exists():
+            durable.fsync_file(directory / name)
+    t.mark("fsync")
+    sizes = {**manifest.sizes, "memory": snap.allocated(directory / snap.MEMORY)}
+    timings = {**manifest.timings, **{f"memory_{k}": v for k, v in mem.phases.items()}}
+    snap.rewrite_manifest(directory, dataclasses.replace(
+        manifest, layers=mem.layers, sizes=sizes, timings=timings))
+    (directory / snap.MEMORY_PENDING).unlink()
+    durable.fsync_dir(directory)
+    t.mark("manifest")
+    return {**{f"memory_{k}": v for k, v in mem.phases.items()},
+            **{f"memory_{k}": v for k, v in t.phases.items()}}
 
 
 def _relocate(layer: snap.MemoryLayer, staging: Path, directory: Path) -> snap.MemoryLayer:
@@ -824,6 +934,10 @@ def prepare_restore(snapshot_dir: Path, overrides: RestoreOverrides) -> RestoreP
         raise SnapshotError(str(e), vm_id=overrides.vm_id) from e
     if manifest.driver != DRIVER:
         raise SnapshotError(f"{snapshot_dir} was taken by the {manifest.driver} driver",
+                            vm_id=overrides.vm_id)
+    if snap.memory_pending(snapshot_dir):
+        raise SnapshotError(f"{snapshot_dir}: its memory layer is incomplete (a pause's "
+                            "memory is still being written, or was never finished)",
                             vm_id=overrides.vm_id)
     m = QemuMachine.from_json(manifest.vm, snapshot_dir / snap.MANIFEST)
     workdir = overrides.workdir

@@ -7,6 +7,9 @@ A snapshot directory holds::
     vmstate         the VMM's device state (format owned by the driver that wrote it)
     memory          this snapshot's memory layer (absent when nothing changed)
     memory.runs     for a diff layer: which pages ``memory`` holds
+    memory.pending  present while the memory layer is still being written after a pause
+                    answered (``memory_pending``); the manifest then names the parent's
+                    layers only, and the snapshot must not be restored
     <drive>.<fmt>   this snapshot's layer of each writable drive (e.g. ``rootfs.qcow2``)
 
 **Memory is a stack of layers**, base first. Layer 0 is *full*: a sparse file of the guest
@@ -57,6 +60,7 @@ MANIFEST = "snapshot.json"
 DEVICE_STATE = "vmstate"
 MEMORY = "memory"
 MEMORY_RUNS = "memory.runs"
+MEMORY_PENDING = "memory.pending"
 PAGE_SIZE = 4096
 
 LayerKind = Literal["full", "diff"]
@@ -224,6 +228,43 @@ def read_manifest(directory: Path) -> Manifest:
     if not (directory / DEVICE_STATE).is_file():
         raise SnapshotFormatError(f"{directory}: {DEVICE_STATE} is missing")
     return manifest
+
+
+def memory_pending(directory: Path) -> bool:
+    """Whether the snapshot's memory layer is still to be written (``MEMORY_PENDING``): a
+    pause answered before its memory was copied out of the frozen VMM (``aenv.runtime``'s
+    ``VM.pause_deferred``). Such a snapshot restores only once the marker is gone."""
+    return (directory / MEMORY_PENDING).exists()
+
+
+@dataclass(frozen=True)
+class PendingMemory:
+    """What ``memory.pending`` says: the working directory of the frozen VMM that still
+    holds the memory, whether the layer is incremental, and the caller's ``note`` (the
+    node's: which network slot that VMM holds), so a restarted server can find and keep
+    that VMM and finish the layer."""
+
+    vm_dir: Path
+    incremental: bool
+    note: dict[str, Any]
+
+
+def write_pending(directory: Path, pending: PendingMemory) -> None:
+    """The marker, into a staging directory (``commit`` makes it durable with the rest)."""
+    (directory / MEMORY_PENDING).write_text(json.dumps(
+        {"vm_dir": str(pending.vm_dir), "incremental": pending.incremental,
+         "note": pending.note}))
+
+
+def read_pending(directory: Path) -> PendingMemory | None:
+    """The marker of ``directory``; None without one (or an unreadable one: a marker is
+    written complete before the directory is committed, so that is not a snapshot's)."""
+    try:
+        data = json.loads((directory / MEMORY_PENDING).read_text())
+        return PendingMemory(Path(data["vm_dir"]), bool(data["incremental"]),
+                             dict(data.get("note") or {}))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 # -- directory lifecycle -------------------------------------------------------------------

@@ -265,3 +265,49 @@ async def test_a_full_snapshot_depends_on_no_other_snapshot(
         counter_advances(child, counter(child))
     finally:
         await destroy_guest(child, slot_pool)
+
+
+async def test_a_deferred_pause_is_restorable_only_once_its_memory_is_written(
+        origin: Origin, rt_settings, slot_pool, snap_dir, tmp_path) -> None:
+    """``pause_deferred`` of a restored VM answers with the VMM alive and frozen and the
+    snapshot committed but marked; the marker keeps a restore out until the memory is
+    written. The write here is the one a restarted server makes (``deferred_memory`` of
+    the adopted VMM) over an interrupted attempt's leftovers; the result restores with
+    the guest's memory and files of the moment of the pause."""
+    from aenv.runtime.base import RestoreOverrides, SnapshotError
+    from aenv.runtime.qemu_snapshot import prepare_restore
+
+    g = await restore_guest(VM_PREFIX + "s7", origin.snapshot, rt_settings, slot_pool,
+                            origin.token)
+    directory = snap_dir / "deferred"
+    try:
+        sbx = g.sandbox()
+        sbx.commands.run("head -c 16777216 /dev/urandom > /dev/shm/dirty", user="root")
+        digest = sbx.commands.run("md5sum < /dev/shm/dirty").stdout.split()[0]
+        sbx.files.write("/home/user/deferred.txt", "before the deferred pause\n")
+        info, pending = await g.vm.pause_deferred(directory, {"slot": g.slot.index})
+        assert pending is not None and g.vm.is_alive()
+        assert await g.vm.status() == "paused" and info.memory_bytes == 0
+        assert snapshots.memory_pending(directory)
+        marker = snapshots.read_pending(directory)
+        assert marker is not None and marker.note == {"slot": g.slot.index}
+        with pytest.raises(SnapshotError, match="incomplete"):
+            prepare_restore(directory, RestoreOverrides(vm_id="x", workdir=tmp_path / "x"))
+        (directory / snapshots.MEMORY).write_bytes(b"an interrupted attempt")
+        phases = await g.vm.deferred_memory(directory).write()
+        assert {"memory_copy", "memory_fsync", "memory_manifest", "vmm_stop"} <= set(phases)
+        assert not g.vm.is_alive() and not snapshots.memory_pending(directory)
+        m = snapshots.read_manifest(directory)
+        assert m.layers[-1].directory == directory and m.layers[-1].kind == "diff"
+        assert m.sizes["memory"] >= 16 << 20
+    finally:
+        await destroy_guest(g, slot_pool)
+    child = await restore_guest(VM_PREFIX + "s8", directory, rt_settings, slot_pool,
+                                origin.token)
+    try:
+        csbx = child.sandbox()
+        assert csbx.commands.run("md5sum < /dev/shm/dirty").stdout.split()[0] == digest
+        assert csbx.files.read("/home/user/deferred.txt") == "before the deferred pause\n"
+        counter_advances(child, counter(child))
+    finally:
+        await destroy_guest(child, slot_pool)
