@@ -67,7 +67,8 @@ def routes(state: EnvdState, hooks: GuestHooks) -> list[Route]:
         if body.get("entropy"):
             hooks.reseed(body["entropy"])
         if isinstance(body.get("caBundle"), str) and body["caBundle"]:
-            hooks.trust_ca(body["caBundle"])  # the node's egress CA (aenv.egress.ca)
+            # the node's egress CA (aenv.egress.ca)
+            state.tls_env = hooks.trust_ca(body["caBundle"]) or state.tls_env
         if body.get("volumeModules") is True and hooks.enabled:
             # aenv: a template's snapshot carries the NFS client, so that sandboxes made
             # from it mount volumes without loading modules first (seconds under TCG).

@@ -24,6 +24,20 @@ _MAX_BEHIND_S = 0.05
 _MAX_AHEAD_S = 5.0
 
 
+def ca_env(public_roots: bool, bundle: str = CA_BUNDLE,
+           source: str = CA_SOURCE) -> dict[str, str]:
+    """Variables that make Node.js, Python's ``requests`` (certifi) and ``httpx`` trust the
+    node CA as well as the system's. Node's is additive, so it is always set; the other two
+    replace a runtime's own list, so they name the system bundle only when it held public
+    roots before the node CA was added (an image without ``ca-certificates`` would
+    otherwise lose every public site). Processes get them below the sandbox's ``envVars``,
+    which may override them."""
+    env = {"NODE_EXTRA_CA_CERTS": source}
+    if public_roots:
+        env.update(REQUESTS_CA_BUNDLE=bundle, SSL_CERT_FILE=bundle)
+    return env
+
+
 class GuestHooks:
     def __init__(self, enabled: bool = False) -> None:
         self.enabled = enabled
@@ -56,21 +70,25 @@ class GuestHooks:
         with open("/dev/random", "wb") as f:
             fcntl.ioctl(f, _RNDADDENTROPY, req)
 
-    def trust_ca(self, pem: str, bundle: str = CA_BUNDLE, source: str = CA_SOURCE) -> None:
+    def trust_ca(self, pem: str, bundle: str = CA_BUNDLE,
+                 source: str = CA_SOURCE) -> dict[str, str]:
         """Add ``pem`` (the node's egress CA) to the system's trusted CAs, once: requests
-        whose headers the egress proxy sets are served with its certificates."""
+        whose headers the egress proxy sets are served with its certificates. Returns the
+        environment that points runtimes with CA lists of their own at it (``ca_env``)."""
         if not self.enabled or "-----BEGIN CERTIFICATE-----" not in pem:
-            return
+            return {}
         pem = pem.strip() + "\n"
         try:
             with open(bundle) as f:
-                if pem in f.read():
-                    return
+                held = f.read()
         except FileNotFoundError:
-            pass
+            held = ""
         for path in (source, bundle):
             os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(source, "w") as f:
             f.write(pem)
-        with open(bundle, "a") as f:
-            f.write(pem)
+        if pem not in held:
+            with open(bundle, "a") as f:
+                f.write(pem)
+        return ca_env(held.replace(pem, "").count("-----BEGIN CERTIFICATE-----") > 0,
+                      bundle, source)

@@ -21,6 +21,14 @@ class EnvdState:
     env_vars: dict[str, str] = field(default_factory=dict)
     default_user: str = "root"
     default_workdir: str | None = None
+    # Set by envd itself, below ``env_vars`` in every process: the node CA's variables
+    # (``guest.ca_env``). Not part of ``/envs``, which is the sandbox's own.
+    tls_env: dict[str, str] = field(default_factory=dict)
+
+    def process_env(self) -> dict[str, str]:
+        """What every process starts with, before its own ``envs``: the sandbox's
+        ``envVars`` over envd's ``tls_env``."""
+        return {**self.tls_env, **self.env_vars}
 
     def token_matches(self, candidate: str | None) -> bool:
         """Constant-time check of ``candidate`` against the access token (if one is set)."""

@@ -91,9 +91,15 @@ def test_domain_rules_and_a_secret_transform_through_the_sdk(world) -> None:
         assert ask(sbx, "allowed.aes.test", 8080).startswith("ERR")  # CIDR rules
         assert len(inet.seen()) == seen, "a refused request reached a server"
 
-        # The transform: TLS terminated with the node's CA, which the guest trusts.
+        # The transform: TLS terminated with the node's CA, which the guest trusts, and
+        # which envd names to runtimes with CA lists of their own (certifi, Node.js).
         out = ask(sbx, "api.aes.test", 443, SYSTEM_CAS)
         assert out.endswith("ok api.aes.test\n"), out
+        env = sbx.commands.run("echo $SSL_CERT_FILE $REQUESTS_CA_BUNDLE; "
+                               "grep -c BEGIN $NODE_EXTRA_CA_CERTS").stdout.split()
+        assert env == [SYSTEM_CAS, SYSTEM_CAS, "1"], env
+        assert ask(sbx, "api.aes.test", 443, "$REQUESTS_CA_BUNDLE").endswith(
+            "ok api.aes.test\n")
         assert inet.https.seen[-1]["authorization"] == f"Bearer {SECRET}"
         assert SECRET not in out
         found = sbx.commands.run(f"grep -rl {SECRET} /etc /tmp /root /home || true").stdout

@@ -82,7 +82,7 @@ class ProcessService:
                     ctx: Ctx) -> AsyncIterator[process_pb.StartResponse]:
         with _as_connect_errors():
             user = self._user(ctx)
-            spec = plan(request, user, self.state.env_vars, self.state.default_workdir,
+            spec = plan(request, user, self.state.process_env(), self.state.default_workdir,
                         self.workload_cgroup)
             tag = request.tag if request.has_field("tag") else None
             assert request.process is not None  # plan() checked
