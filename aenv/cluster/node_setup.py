@@ -10,7 +10,8 @@ queue, use of them, so gateways send creates only where they fit or can wait; an
 volumes, so that gateways route a volume's calls, and the creates that mount it, here. A
 paused sandbox that mounts volumes is not offered to other nodes: its volumes live here.
 A node with a shared store publishes no volumes but ``shared_volumes`` in its record:
-its volumes are in the shared store, and any such node serves them.
+its volumes are in the shared store, and any such node serves them; a paused sandbox
+whose volumes are all there is offered like one without volumes.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 
 from .. import __version__
 from ..config import Settings
-from ..storage import shared_store
+from ..storage import shared_store, shared_volumes
 from ..store import VM_STATES, SandboxRecord, SandboxState, SandboxStore
 from .handover import Handover
 from .node_agent import NodeAgent
@@ -168,6 +169,22 @@ def node_agent(settings: Settings, sandboxes: SandboxStore,
             hit = checked[key] = (now + MOVED_CHECK_S, handover.moved(r))
         return hit[1]
 
+    in_store: dict[str, bool] = {}  # volume id -> in the shared store (never changes)
+
+    def portable(r: SandboxRecord) -> bool:
+        """Whether every volume ``r`` mounts is a shared one (any node serves it)."""
+        for m in r.volume_mounts or ():
+            vid = m.get("volumeID", "")
+            if vid not in in_store:
+                try:
+                    in_store[vid] = settings.shared_store is not None and \
+                        shared_volumes.root_in(settings.shared_store, vid).is_dir()
+                except (shared_volumes.SharedVolumeError, OSError):
+                    in_store[vid] = False
+            if not in_store[vid]:
+                return False
+        return True
+
     def entries(fresh: bool) -> list[IndexEntry]:
         # A paused sandbox another node took is not published, even before the orchestrator
         # forgets it (``drop_moved``): it would route the sandbox back here.
@@ -177,9 +194,9 @@ def node_agent(settings: Settings, sandboxes: SandboxStore,
             del checked[gone]
         return [IndexEntry(r.id, r.state in VM_STATES,
                            offered(r.snapshot_id)
-                           if r.state == SandboxState.PAUSED and not r.volume_mounts else "",
+                           if r.state == SandboxState.PAUSED and portable(r) else "",
                            auto_resume=r.auto_resume and r.state == SandboxState.PAUSED
-                           and not r.volume_mounts)
+                           and portable(r))
                 for r in live
                 if handover is None or r.state != SandboxState.PAUSED
                 or not moved(r, fresh)]

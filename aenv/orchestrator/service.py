@@ -657,11 +657,14 @@ class Orchestrator:
 
     async def _offer(self, sandbox_id: str) -> None:
         """Offer the just-paused sandbox to the cluster, when its snapshot was published
-        and it mounts no volume (volumes live on this node only)."""
+        and it mounts no volume of this node only (shared volumes: any node serves them)."""
         handover = self.handover
         rec = self.sandboxes.get(sandbox_id)
-        if handover is None or rec is None or rec.volume_mounts \
-                or not handover.published(rec):
+        if handover is None or rec is None or not handover.published(rec):
+            return
+        shared = self.shared_volumes
+        if rec.volume_mounts and (shared is None or any(
+                shared.get(m["volumeID"]) is None for m in rec.volume_mounts)):
             return
         try:
             bundle = await asyncio.to_thread(

@@ -174,8 +174,10 @@ class Volumes:
         try:
             if users := await asyncio.to_thread(self.users, rec.id):
                 raise Conflict(f"volume {rec.name} is mounted by sandbox {', '.join(users)}")
-            await asyncio.to_thread(shared.remove_root, rec.id)
+            # The record first: the volume is gone for every node at once, and a delete
+            # asked again while a large tree is removed finds none (404).
             await asyncio.to_thread(shared.delete, rec.id)
+            await asyncio.to_thread(shared.remove_root, rec.id)
         finally:
             await asyncio.to_thread(shared.end_delete, rec.id)
 

@@ -38,6 +38,16 @@ pytestmark = [pytest.mark.vm, pytest.mark.net, pytest.mark.timeout(1200)]
 class Cluster(Gatewayed):
     shared: Path
 
+    def statuses(self) -> dict[str, str]:
+        with self.api() as c:
+            return {n["nodeID"]: n["status"] for n in c.get("/nodes").json()}
+
+    def on(self, node_id: str) -> httpx.Client:
+        """A client of one node's own API."""
+        node = self.nodes[node_id]
+        return httpx.Client(base_url=node.url, timeout=300,
+                            headers={"X-API-KEY": node.api_key})
+
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
@@ -107,8 +117,7 @@ def test_a_shared_volume_is_mounted_on_both_nodes_and_outlives_one(
         # its source, makes a sandbox of it that mounts the volume
         snap = a.create_snapshot()
         assert cluster.index("aenv:volume-templates", snap.snapshot_id) is None
-        with httpx.Client(base_url=cluster.nodes["w2"].url, timeout=300,
-                          headers={"X-API-KEY": cluster.nodes["w2"].api_key}) as node:
+        with cluster.on("w2") as node:
             r = node.post("/sandboxes", json={"templateID": snap.snapshot_id,
                                               "timeout": 600})
             assert r.status_code == 201, r.text
@@ -139,6 +148,9 @@ def test_a_shared_volume_is_mounted_on_both_nodes_and_outlives_one(
             s.kill()
         if snap is not None:
             Sandbox.delete_snapshot(snap.snapshot_id)
+        w2 = cluster.nodes["w2"]
+        if w2.proc is None or w2.proc.poll() is not None:
+            w2.start()   # for the next tests
     assert Volume.destroy(vol.volume_id)
     assert not Volume.destroy(vol.volume_id)
     assert not (cluster.shared / "volumes/data" / vol.volume_id).exists()
@@ -161,3 +173,51 @@ def test_an_upload_over_a_shared_volumes_size_is_refused(cluster: Cluster) -> No
         assert [x.name for x in vol.list("/")] == ["fits.bin"]
     finally:
         Volume.destroy(vol.volume_id)
+
+
+def test_a_paused_sandbox_with_a_shared_volume_resumes_on_another_node(
+        cluster: Cluster) -> None:
+    """Paused on w2, which is then SIGKILLed: connecting through the gateway resumes it on
+    w1 from the shared store, and its volume is mounted there (its guest's NFS client
+    reconnects to w1's server for its new slot)."""
+    vol = Volume.create("sv-move")
+    victim = cluster.nodes["w2"]
+    sid = None
+    try:
+        with cluster.on("w2") as node:
+            r = node.post("/sandboxes", json={"templateID": "base", "timeout": 600,
+                                              "volumeMounts": [{"name": "sv-move",
+                                                                "path": "/m"}]})
+            assert r.status_code == 201, r.text
+            sid = r.json()["sandboxID"]
+        sbx = Sandbox.connect(sid)
+        _run(sbx, "echo before > /m/before.txt")
+        with cluster.api() as c:
+            assert c.post(f"/sandboxes/{sid}/pause").status_code == 204
+        assert (cluster.shared / "handover" / f"{sid}.json").is_file()   # offered
+
+        victim.kill9()
+        killed_at = time.monotonic()
+        while cluster.statuses()["w2"] != "unhealthy":
+            assert time.monotonic() - killed_at < 10, "still ready"
+            time.sleep(0.1)
+        sbx = Sandbox.connect(sid)
+        assert cluster.node_of(sid) == "w1"
+        _eventually_reads(sbx, "/m/before.txt", "before\n")
+        _run(sbx, "echo after > /m/after.txt")
+        assert vol.read_file("/after.txt") == "after\n"
+    finally:
+        if victim.proc is None or victim.proc.poll() is not None:
+            victim.start()
+        if sid is not None:
+            with contextlib.suppress(Exception):
+                Sandbox.kill(sid)
+    # w2, back, forgets the sandbox w1 took; its users file says so within seconds
+    deadline = time.monotonic() + 30
+    while True:
+        with cluster.api() as c:
+            r = c.delete(f"/volumes/{vol.volume_id}")
+        if r.status_code == 204:
+            break
+        assert r.status_code == 409 and time.monotonic() < deadline, r.text
+        time.sleep(1)

@@ -3,6 +3,7 @@ Redis, no root)."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -224,3 +225,43 @@ async def test_a_paused_sandbox_with_volumes_is_not_offered_to_other_nodes(
     finally:
         await agent.registry.close()
         db.close()
+
+
+async def test_a_paused_sandbox_whose_volumes_are_in_the_shared_store_is_offered(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shared volumes are served by any node: a paused sandbox that mounts only those is
+    offered like one without volumes; one that also mounts a volume the shared store
+    lacks (made before the node had the store) is not."""
+    from types import SimpleNamespace
+
+    from aenv.cluster.node_setup import node_agent
+    from aenv.storage.shared_store import SharedStore
+    from aenv.storage.shared_volumes import SharedVolumes
+    from aenv.store import Database, SandboxRecord, SandboxState, SandboxStore
+
+    shared = tmp_path / "shared"
+    s = Settings.from_env({"AENV_HOME": str(tmp_path / "home"), "AENV_CLUSTER":
+                           "redis://127.0.0.1:1/0", "AENV_CLUSTER_SECRET": "x" * 32,
+                           "AENV_NODE_ID": "a", "AENV_ADVERTISE_URL": "http://127.0.0.1:9",
+                           "AENV_SHARED_STORE": str(shared)})
+    monkeypatch.setattr(SharedStore, "bundle",
+                        lambda self, ref: SimpleNamespace(requires={"driver": "qemu"}))
+    volumes = SharedVolumes(shared, "a")
+    vol = volumes.insert("data", 16)
+    volumes.make_root(vol.id, 16, owner=os.getuid())
+    db = Database(tmp_path / "db.sqlite")
+    sandboxes = SandboxStore(db)
+    for sid, ids in (("shared", [vol.id]), ("mixed", [vol.id, "vol_local"])):
+        sandboxes.insert(SandboxRecord(
+            id=sid, template_id="base", state=SandboxState.PAUSED, client_id="c",
+            started_at=1.0, end_at=2.0, cpu_count=1, memory_mb=512, disk_size_mb=2048,
+            snapshot_id=f"snapshot:{sid}", auto_resume=True, volume_mounts=[
+                {"name": i, "path": f"/{i}", "volumeID": i} for i in ids]))
+    agent = node_agent(s, sandboxes)
+    try:
+        entries = {e.sandbox_id: e for e in agent.fresh_index()}  # type: ignore[misc]
+        assert entries["shared"].requires and entries["shared"].auto_resume
+        assert entries["mixed"].requires == "" and not entries["mixed"].auto_resume
+        assert agent.record.shared_volumes
+    finally:
+        await agent.registry.close()
