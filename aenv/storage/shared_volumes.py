@@ -147,18 +147,24 @@ class SharedVolumes:
             tmp.unlink(missing_ok=True)
 
     def _take_back_stale(self, name: str) -> bool:
-        """Remove the entry of ``name`` when it names no record and is older than
-        ``CLAIM_STALE_S`` (a create that crashed); True when removed."""
+        """Remove the entry of ``name`` when the create that made it did not finish (no
+        record, or one still ``creating``) and is older than ``CLAIM_STALE_S``, with what
+        that create left; True when removed."""
         entry = self._name(name)
         try:
             holder = entry.read_text().strip()
             age = time.time() - entry.stat().st_mtime
         except FileNotFoundError:
             return True
-        if self._record(holder).exists() or age < CLAIM_STALE_S:
+        rec = self._load(holder) if self._record(holder).exists() else None
+        if age < CLAIM_STALE_S or (self._record(holder).exists()
+                                   and (rec is None or rec.state != "creating")):
             return False
         log.warning("volume name %s: taking back the claim of a create that did not "
                     "finish (%s, %.0f s old)", name, holder, age)
+        with contextlib.suppress(SharedVolumeError, OSError):
+            self.remove_root(holder)
+        self._record(holder).unlink(missing_ok=True)
         self._release(name, holder)
         return True
 

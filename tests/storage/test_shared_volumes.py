@@ -78,6 +78,18 @@ def test_a_crashed_creates_claim_is_taken_back_only_when_stale(
     os.utime(entry, (old, old))
     rec = b.insert("orphan", 16)
     assert entry.read_text() == rec.id
+    # one that wrote its record but crashed before its volume was ready
+    a.make_root(rec.id, 16, owner=os.getuid())
+    with pytest.raises(VolumeNameTaken):
+        a.insert("orphan", 16)
+    os.utime(entry, (old, old))
+    again = a.insert("orphan", 16)
+    assert b.get(rec.id) is None and not (a.base / "data" / rec.id).exists()
+    assert b.by_name("orphan") is not None and b.by_name("orphan").id == again.id  # type: ignore[union-attr]
+    a.set_ready(again.id)
+    os.utime(entry, (old, old))
+    with pytest.raises(VolumeNameTaken):   # a ready volume's name is never taken back
+        b.insert("orphan", 16)
 
 
 def test_a_delete_mark_hides_the_volume_until_it_ends_or_goes_stale(
