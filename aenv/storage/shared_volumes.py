@@ -132,7 +132,10 @@ class SharedVolumes:
     def _claim(self, name: str, volume_id: str) -> None:
         entry = self._name(name)
         tmp = entry.with_name(f".{name}.{secrets.token_hex(6)}.tmp")
-        tmp.write_text(volume_id)
+        with open(tmp, "w") as f:
+            f.write(volume_id)
+            f.flush()
+            os.fsync(f.fileno())   # the entry never names nothing after a crash
         try:
             for _ in range(2):
                 try:
@@ -156,12 +159,19 @@ class SharedVolumes:
             age = time.time() - entry.stat().st_mtime
         except FileNotFoundError:
             return True
-        rec = self._load(holder) if self._record(holder).exists() else None
-        if age < CLAIM_STALE_S or (self._record(holder).exists()
-                                   and (rec is None or rec.state != "creating")):
+        try:
+            recorded = self._record(holder).exists()
+        except SharedVolumeError:   # an entry that names no volume at all
+            recorded = False
+            holder = ""
+        rec = self._load(holder) if recorded else None
+        if age < CLAIM_STALE_S or (recorded and (rec is None or rec.state != "creating")):
             return False
         log.warning("volume name %s: taking back the claim of a create that did not "
                     "finish (%s, %.0f s old)", name, holder, age)
+        if not holder:
+            entry.unlink(missing_ok=True)
+            return True
         with contextlib.suppress(SharedVolumeError, OSError):
             self.remove_root(holder)
         self._record(holder).unlink(missing_ok=True)
