@@ -151,7 +151,10 @@ class Volumes:
             self._pending[m["volumeID"]] -= 1
             if self._pending[m["volumeID"]] <= 0:
                 del self._pending[m["volumeID"]]
-        await asyncio.to_thread(self.publish_users)
+        try:
+            await asyncio.to_thread(self.publish_users)
+        except OSError as e:  # the next refresh says it (``keep_users``)
+            log.warning("cannot write this node's volume users to the shared store: %s", e)
 
     async def delete(self, volume_id: str) -> None:
         if self.shared is not None:
