@@ -11,10 +11,13 @@ import asyncio
 import contextlib
 import logging
 import sys
+import time
+from email.utils import formatdate
 from pathlib import Path
 from types import FrameType
 
 import uvicorn
+from uvicorn.server import ServerState
 
 from . import ENVD_PORT
 from .app import create_app
@@ -23,22 +26,52 @@ from .state import EnvdState
 from .users import ensure_user
 
 # uvicorn's serve loop wakes every 0.1 s to look for a shutdown request and refresh the Date
-# header. In an idle guest under emulation those wake-ups were half of what its VMM spends
-# (2.5 % of a host core per idle sandbox, 1.2 % without them), so envd refreshes once a
-# second and a signal wakes the loop at once.
-TICK_S = 1.0
+# header. In an idle guest under emulation every wake-up costs the VMM host CPU (those ten a
+# second were half of an idle sandbox's: 2.5 % of a host core, 1.2 % without them), so
+# envd's loop sleeps until a signal wakes it, and the Date header is made when a response
+# asks for it (once per second at most) instead of on a timer.
 STARTUP_FAILURE = 3  # uvicorn's exit status when the server could not start
+
+
+class _ServerState(ServerState):
+    """uvicorn's shared server state whose ``default_headers`` (Date and the configured
+    headers, which each response starts with) are made on demand; uvicorn's own refresh
+    (``on_tick`` assigns them) is ignored."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        self._config = config
+        self._second = -1
+        self._headers: list[tuple[bytes, bytes]] = []
+        super().__init__()
+
+    @property
+    def default_headers(self) -> list[tuple[bytes, bytes]]:
+        now = int(time.time())
+        if now != self._second:
+            date = [(b"date", formatdate(now, usegmt=True).encode())] \
+                if self._config.date_header else []
+            self._headers = date + list(getattr(self._config, "encoded_headers", []))
+            self._second = now
+        return self._headers
+
+    @default_headers.setter
+    def default_headers(self, value: list[tuple[bytes, bytes]]) -> None:
+        pass
 
 
 class _Server(uvicorn.Server):
     _wake: asyncio.Event | None = None
     _loop: asyncio.AbstractEventLoop | None = None
 
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.server_state = _ServerState(config)
+
     async def main_loop(self) -> None:
         self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
-        while not await self.on_tick(0):  # counter 0: on_tick refreshes the Date header
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), TICK_S)
+        while not await self.on_tick(0):  # only a signal (handle_exit) wakes it
+            await self._wake.wait()
+            self._wake.clear()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)

@@ -357,6 +357,10 @@ class QemuRuntime(Runtime):
         try:
             qmp = await self._connect_qmp(spec, process)
             t_qmp = spawn.elapsed()
+            if accel.accel == "tcg":  # started paused (qemu_args.TCG_BOOT_HMP)
+                for line in qemu_args.TCG_BOOT_HMP:
+                    await qmp.execute("human-monitor-command", {"command-line": line})
+                await qmp.execute("cont")
             status = (await qmp.execute("query-status"))["status"]  # type: ignore[index]
             if status != "running":
                 raise BootError(f"VMM came up {status}, not running", vm_id=spec.vm_id)

@@ -107,3 +107,16 @@ def test_console_qmp_and_pidfile_are_relative() -> None:
     assert opt(argv, "-qmp") == ["unix:qmp.sock,server=on,wait=off"]
     assert opt(argv, "-pidfile") == ["vmm.pid"]
     assert opt(argv, "-kernel") == ["kernel"] and opt(argv, "-initrd") == ["initrd"]
+
+
+def test_a_tcg_boot_starts_paused_and_a_kvm_boot_does_not() -> None:
+    # Paused so that the driver stops the PIT (TCG_BOOT_HMP) before the guest runs.
+    assert "-S" in build_argv(spec(), "tcg")
+    assert "-S" not in build_argv(spec(), "kvm")
+    restore = build_argv(spec(), "tcg", restore=True)
+    assert restore.count("-S") == 1 and "-incoming" in restore
+
+
+def test_the_pit_is_stopped_by_a_mode_0_control_word() -> None:
+    # Port 0x43 is the PIT's control register; 0x30: channel 0, low then high byte, mode 0.
+    assert qemu_args.TCG_BOOT_HMP == ("o /b 0x43 0x30",)
