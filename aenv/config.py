@@ -425,6 +425,11 @@ class Settings(_Declared):
         "AENV_SNAPSHOT_BASE", True, flag="--snapshot-base/--no-snapshot-base",
         doc="keep the `base` template as a snapshot, so creates restore instead of "
             "booting")
+    pause_memory_in_background: bool = setting(
+        "AENV_PAUSE_MEMORY_IN_BACKGROUND", True,
+        doc="a pause answers once device state and disk are saved; guest memory is "
+            "written from the frozen VMM after the answer (QEMU, restored VMs); `0`: "
+            "within the request")
 
     # -- host objects
     # One /32 per network slot.

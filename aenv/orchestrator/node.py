@@ -7,6 +7,18 @@ arguments that make the initramfs mount it), a VM working directory under
 ``vms_dir/<sandbox id>``, the VMM booted through the configured runtime driver, and envd
 waited for and initialised (token, env vars, default user and workdir). Everything made is
 released again on failure, on kill, and for VMs found dead after a restart.
+
+A memory pause of a restored VM answers before its memory is written
+(``Settings.pause_memory_in_background``, not with a shared store): ``VM.pause_deferred``
+commits the snapshot with a ``memory.pending`` marker, and ``_finish_pause`` writes the
+memory from the frozen VMM in the background, then ends it and releases its slot. A resume
+of that snapshot waits for the write, then restores as usual (continuing the frozen VMM in
+place would save the rest of the copy and the restore, but needs a resume without a
+restore in the orchestrator and a way to drop the half-made snapshot: not done). A kill
+meanwhile lets the write finish; collection keeps the snapshot until then. After a
+restart ``prepare`` keeps such a VMM and its slot and writes the memory from it
+(``_adopt_pending``); when the VMM did not survive, the marker stays and a resume
+is refused with that reason (``_memory_written``), never made from a half-written layer.
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ from ..runtime import (
     VM,
     AttachError,
     Confinement,
+    DeferredMemory,
     Drive,
     RestoreOverrides,
     VMError,
@@ -48,6 +61,7 @@ from ..runtime.compaction import Compactor
 from ..runtime.ready import boot_until_ready
 from ..runtime.vmm_pool import Pooled, VMMPool
 from ..storage import disk_layers, disks, shared_store, snapshot_store, volume_server
+from ..storage import snapshots as snapshot_files
 from ..storage.disks import Disk, create_disk
 from ..storage.errors import ImageError, StorageError
 from ..storage.image_ref import ImageRef
@@ -63,6 +77,7 @@ log = logging.getLogger("aenv.node")
 
 ENVD_READY_TIMEOUT_S = 60.0
 TEMPLATE_CLIENT = "aenv-template"  # client_id of a template's snapshot boot (service.py)
+BUILD_CLIENT = "aenv-build"  # client_id of a template build's VM (builds.py)
 START_READY_TIMEOUT_S = 120.0
 GUEST_SYNC_TIMEOUT_S = 60.0  # a filesystem pause's `sync` in the guest
 # How long a VMM pre-started for a paused sandbox's resume waits (``VMMPool.want_once``).
@@ -154,6 +169,10 @@ class NodeMachines:
         # Chains that grew too deep are compacted after the capture returned, not on its
         # request's path (``aenv.runtime.compaction``).
         self.compactor = Compactor(self.runtime, self._snapshot_lock)
+        # Pauses that answered before their memory was written (``_finish_pause``), by
+        # snapshot name: a resume waits for its own, collection keeps theirs.
+        self._pending: dict[str, asyncio.Task[None]] = {}
+        self._pending_workdirs: dict[str, Path] = {}  # the VMM's of each, by the same name
         self._console_task: asyncio.Task[None] | None = None
         # In a cluster with a shared store: pauses and snapshots are published there, and
         # a snapshot this node lacks is fetched from there (``aenv.storage.shared_store``);
@@ -174,6 +193,12 @@ class NodeMachines:
         self.kernel = await asyncio.to_thread(ensure_kernel, self.settings, self.kernel_flavor)
         self.base = await asyncio.to_thread(ensure_base_image, self.settings, None,
                                             kernel_flavor=self.kernel_flavor)
+        # Pauses whose memory a stopped server had not written yet: their frozen VMMs and
+        # slots are kept, and the memory written now (``_adopt_pending``).
+        pending = await asyncio.to_thread(self._pending_pauses)
+        keep_vms = keep_vms | {p.vm_dir.name for _, p in pending}
+        keep_slots = keep_slots | {int(p.note["slot"]) for _, p in pending
+                                   if isinstance(p.note.get("slot"), int)}
         # A crashed server's pooled VMMs still wait in their slots: end them first.
         killed = await asyncio.to_thread(VMMPool.sweep, self.settings.vms_dir, keep_vms)
         if killed:
@@ -190,6 +215,8 @@ class NodeMachines:
         if any(swept.values()):
             log.info("removed VMM leftovers of a previous run: %s", swept)
         await asyncio.to_thread(self.pool.start, keep_slots)
+        for directory, p in pending:
+            await self._adopt_pending(directory, p)
         if self.vmm_pool is not None:
             self.vmm_pool.start()
         # What a stopped server left half-compacted (or never compacted) is finished.
@@ -209,9 +236,12 @@ class NodeMachines:
         return f"base-{self.base.digest[:16]}" if self.base else None
 
     async def close(self) -> None:
-        """Stop watching; running VMs keep running (a restart re-attaches them)."""
+        """Stop watching; running VMs keep running (a restart re-attaches them). Pauses
+        still writing memory finish first (seconds: the copy of what the guest wrote)."""
         if self._console_task is not None:
             self._console_task.cancel()
+        if self._pending:
+            await asyncio.gather(*self._pending.values(), return_exceptions=True)
         await self.compactor.close()
         for r in self._running.values():
             await r.vm.detach()
@@ -354,6 +384,7 @@ class NodeMachines:
             with self.pool.starting():
                 if image.is_snapshot:
                     directory = self._snapshot_dir(image)
+                    await self._memory_written(directory)
                     if not snapshot_store.is_complete(directory):
                         await self.fetch(image.id)
                     if not snapshot_store.is_complete(directory):
@@ -572,7 +603,7 @@ class NodeMachines:
             await asyncio.to_thread(self._release, running.slot)
         elif rec.slot is not None and rec.slot not in self.in_use():
             await self._stop_orphan(rec, rec.slot)
-        if rec.vm_dir:
+        if rec.vm_dir and not self._writing_from(Path(rec.vm_dir)):
             # Unlinking a guest-RAM file of hundreds of MiB takes tens of ms: not on the loop.
             await asyncio.to_thread(wd.remove, Path(rec.vm_dir))
 
@@ -639,12 +670,27 @@ class NodeMachines:
             raise InvalidRequest(f"sandbox {rec.id} has no VM on this node")
         directory = self._snapshot_dir(ref)
         if memory:
+            deferred: DeferredMemory | None = None
             async with self._snapshot_lock:
-                info = await running.vm.snapshot(directory, stop=True)
+                # Not with a shared store: the pause is offered to other nodes (handover)
+                # as soon as it answers, so it must be published whole by then. Not for a
+                # template's or a build's VM: what makes a template waits for it anyway.
+                if self.settings.pause_memory_in_background and self.shared is None and \
+                        rec.client_id not in (TEMPLATE_CLIENT, BUILD_CLIENT):
+                    info, deferred = await running.vm.pause_deferred(
+                        directory, {"slot": running.slot.index, "sandbox": rec.id})
+                else:
+                    info = await running.vm.snapshot(directory, stop=True)
             log.info("sandbox %s: paused to %s (freeze %.0f ms, total %.0f ms, %d KiB "
-                     "memory, %d layers)", rec.id, directory.name, info.freeze_s * 1000,
+                     "memory, %d layers%s)", rec.id, directory.name, info.freeze_s * 1000,
                      info.total_s * 1000, info.memory_bytes // 1024, info.memory_layers,
+                     ", memory written next" if deferred else "",
                      extra={"sandbox_id": rec.id, "op": "pause", "duration": info.total_s})
+            if deferred is not None:
+                self._running.pop(rec.id, None)
+                self._start_finishing(deferred, running.slot,
+                                      Path(rec.vm_dir or running.vm.workdir), rec.id)
+                return
             self.compactor.schedule(directory)
         else:
             await self._pause_disk(rec, running, directory)
@@ -655,6 +701,103 @@ class NodeMachines:
             # A resume soon after (an agent's pause/resume cycle) then only loads state.
             self.vmm_pool.want_once(directory, RESUME_PRESTART_S)
         await self.publish(directory.name)
+
+    def _start_finishing(self, deferred: DeferredMemory, slot: NetworkSlot | None,
+                         workdir: Path, sandbox: str) -> None:
+        name = deferred.directory.name
+        self._pending_workdirs[name] = workdir
+        self._pending[name] = asyncio.create_task(
+            self._finish_pause(deferred, slot, workdir, sandbox), name=f"aenv-pause-{name}")
+
+    async def _finish_pause(self, deferred: DeferredMemory, slot: NetworkSlot | None,
+                            workdir: Path, sandbox: str) -> None:
+        """The rest of a pause that answered before its memory was written: the memory
+        from the frozen VMM (``DeferredMemory.write``, which then ends the VMM), the slot
+        and working directory released, then what a pause does last (compaction queued,
+        a VMM pre-started for the resume, published). A failed write is logged: the
+        snapshot keeps its ``memory.pending`` marker and a resume of it is refused
+        (``_memory_written``); the VMM is ended all the same."""
+        directory = deferred.directory
+        written = False
+        try:
+            try:
+                phases = await deferred.write()
+                written = True
+                log.info("sandbox %s: memory of its pause to %s written (%s)", sandbox,
+                         directory.name, ", ".join(f"{k} {v * 1000:.0f} ms"
+                                                   for k, v in phases.items()),
+                         extra={"sandbox_id": sandbox, "op": "pause_memory",
+                                "duration": sum(phases.values())})
+            except Exception as e:
+                log.error("sandbox %s: the memory of its pause to %s was not written, it "
+                          "cannot be resumed: %s", sandbox, directory.name, e,
+                          extra={"sandbox_id": sandbox, "op": "pause_memory"})
+            if slot is not None:
+                await asyncio.to_thread(self._release, slot)
+            await asyncio.to_thread(wd.remove, workdir)
+        finally:
+            self._pending.pop(directory.name, None)
+            self._pending_workdirs.pop(directory.name, None)
+        if written:
+            self.compactor.schedule(directory)
+            if self.vmm_pool is not None:
+                self.vmm_pool.want_once(directory, RESUME_PRESTART_S)
+            await self.publish(directory.name)
+
+    async def _memory_written(self, directory: Path) -> None:
+        """Before a restore of ``directory``: wait for its pause's memory when it is still
+        being written here; ``NotRestorable`` when its marker stays (the write failed, or
+        the server stopped during it and the frozen VMM did not survive)."""
+        task = self._pending.get(directory.name)
+        if task is not None:
+            await asyncio.shield(task)
+        if snapshot_files.memory_pending(directory):
+            raise NotRestorable(
+                f"snapshot {directory.name}: its memory layer is incomplete (the pause's "
+                "memory was never finished: the VM that held it is gone); it cannot be "
+                "resumed")
+
+    def _writing_from(self, workdir: Path) -> bool:
+        """Whether a pause still writes its memory from the VMM of ``workdir`` (its task
+        removes that directory when done)."""
+        return workdir in self._pending_workdirs.values()
+
+    def _pending_pauses(self) -> list[tuple[Path, snapshot_files.PendingMemory]]:
+        """Snapshots whose pause's memory a stopped server had not written (their marker)."""
+        root = self.settings.snapshots_dir
+        out = []
+        for marker in root.glob(f"*/{snapshot_files.MEMORY_PENDING}") if root.is_dir() \
+                else ():
+            p = snapshot_files.read_pending(marker.parent)
+            if p is not None:
+                out.append((marker.parent, p))
+        return out
+
+    async def _adopt_pending(self, directory: Path,
+                             p: snapshot_files.PendingMemory) -> None:
+        """After a restart: write the memory of an interrupted deferred pause from its
+        VMM, which waited frozen (``prepare`` kept it and its slot). With the VMM gone the
+        marker stays, and a resume of the snapshot is refused with that reason."""
+        sandbox = str(p.note.get("sandbox", "?"))
+        slot: NetworkSlot | None = None
+        if isinstance(p.note.get("slot"), int):
+            try:
+                slot = await asyncio.to_thread(self.pool.adopt, int(p.note["slot"]))
+            except Exception as e:
+                log.warning("sandbox %s: the slot of its pausing VMM is gone: %s", sandbox, e)
+        try:
+            vm = await self.runtime.attach(p.vm_dir)
+        except AttachError as e:
+            log.error("sandbox %s: the server stopped while writing the memory of its pause "
+                      "to %s and the VMM is gone (%s); it cannot be resumed", sandbox,
+                      directory.name, e, extra={"sandbox_id": sandbox, "op": "pause_memory"})
+            if slot is not None:
+                await asyncio.to_thread(self._release, slot)
+            await asyncio.to_thread(wd.remove, p.vm_dir)
+            return
+        log.info("sandbox %s: writing the memory of its pause to %s, interrupted by the "
+                 "restart, from its frozen VMM", sandbox, directory.name)
+        self._start_finishing(vm.deferred_memory(directory), slot, p.vm_dir, sandbox)
 
     async def _pause_disk(self, rec: SandboxRecord, running: _Running,
                           directory: Path) -> None:
@@ -757,7 +900,7 @@ class NodeMachines:
             try:
                 removed = await asyncio.to_thread(
                     snapshot_store.collect, self.settings.snapshots_dir,
-                    self.settings.layers_dir, roots())
+                    self.settings.layers_dir, roots() | set(self._pending))
                 # The cached empty overlays of what was just deleted go with it.
                 await asyncio.to_thread(disks.prune_overlay_cache, self.settings.vms_dir)
             except snapshot_store.DependenciesUnknown as e:

@@ -32,6 +32,19 @@ Memory, two cases:
   the base); if that is more than half of RAM, a new full image is written (O(RAM), rare).
   ``incremental=False`` always writes the full image.
 
+Deferred memory (``capture_deferred``, ``QemuVM.pause_deferred``; issue 21: the guest is
+frozen, and the request waits, only for what must be consistent): a restored VM's pause runs
+the recipe without copying its written pages; the snapshot is committed with its device
+state, its drives and a ``memory.pending`` marker (``snapshots.PendingMemory``) and a
+manifest naming only the parent's layers, and the VMM stays alive and frozen. The pages are
+then copied out of it (``QemuDeferredMemory.write``, as ``save_memory`` would have), made
+durable, the manifest rewritten to name the new layer, the marker removed, and only then
+the VMM ended. Nothing restores a marked snapshot (``prepare_restore`` refuses it); the
+marker names the VMM's working directory so that a server that stopped in between can
+adopt the still-frozen VMM and write the layer again from the start. The copy costs what
+it did, only after the answer (``benchmarks/snapshot_writes.py``, ``pause_after_dirtying``,
+compares both ways). A booted VM's pause (its own RAM file) is never deferred.
+
 Drives (qcow2): pausing moves the VM's top overlay into the snapshot (O(1)); a running
 snapshot hard-links the frozen top into the snapshot and switches the VM onto a new overlay
 (``blockdev-snapshot-sync`` onto a file created before the freeze), so the freeze holds no

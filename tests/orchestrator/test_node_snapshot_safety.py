@@ -60,6 +60,11 @@ class SlowVM:
         self.calls.append("stop")
         self.alive = False
 
+    async def pause_deferred(self, directory: Path, note: dict[str, object] | None = None
+                             ) -> tuple[SnapshotInfo, None]:
+        """As a driver that defers nothing (``VM.pause_deferred``'s default)."""
+        return await self.snapshot(directory, stop=True), None
+
     async def snapshot(self, directory: Path, *, stop: bool = False,
                        incremental: bool = True) -> SnapshotInfo:
         staging = snap.begin(directory)
