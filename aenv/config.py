@@ -496,7 +496,8 @@ class Settings(_Declared):
         "AENV_SHARED_STORE", None,
         doc="in a cluster, a directory every node mounts (NFS, CephFS, EFS): pauses and "
             "snapshots are published there, content-addressed, and a node fetches one it "
-            "lacks from there, so a paused sandbox resumes on another node")
+            "lacks from there, so a paused sandbox resumes on another node; volumes live "
+            "there too, and any node serves them (docs/volumes.md)")
     drain_timeout: float = setting(
         "AENV_DRAIN_TIMEOUT", 30.0, check=_at_least(0),
         doc="in a cluster, seconds a node told to stop (SIGTERM) stays up `draining` (no "
