@@ -601,9 +601,11 @@ class NodeMachines:
         if running is not None:
             await running.vm.stop()
             await asyncio.to_thread(self._release, running.slot)
+        elif rec.vm_dir and self._writing_from(Path(rec.vm_dir)):
+            return  # a pause's memory write owns that VMM, slot and directory (_finish_pause)
         elif rec.slot is not None and rec.slot not in self.in_use():
             await self._stop_orphan(rec, rec.slot)
-        if rec.vm_dir and not self._writing_from(Path(rec.vm_dir)):
+        if rec.vm_dir:
             # Unlinking a guest-RAM file of hundreds of MiB takes tens of ms: not on the loop.
             await asyncio.to_thread(wd.remove, Path(rec.vm_dir))
 
@@ -763,11 +765,16 @@ class NodeMachines:
         return workdir in self._pending_workdirs.values()
 
     def _pending_pauses(self) -> list[tuple[Path, snapshot_files.PendingMemory]]:
-        """Snapshots whose pause's memory a stopped server had not written (their marker)."""
+        """Snapshots whose pause's memory a stopped server had not written (their marker).
+        Not a staging directory's: that pause never answered, and its VM, still frozen, is
+        re-attached by the orchestrator's recovery (``reattach``)."""
         root = self.settings.snapshots_dir
         out = []
         for marker in root.glob(f"*/{snapshot_files.MEMORY_PENDING}") if root.is_dir() \
                 else ():
+            if marker.parent.name.startswith(".") or \
+                    not snapshot_store.is_complete(marker.parent):
+                continue
             p = snapshot_files.read_pending(marker.parent)
             if p is not None:
                 out.append((marker.parent, p))
