@@ -36,10 +36,12 @@ class VMServer:
 
     def __init__(self, home: Path, net: int, cache_home: Path,
                  cprofile: Path | None = None, server_args: tuple[str, ...] = (),
-                 letters: str = "cp", tree: Path | None = None) -> None:
+                 letters: str = "cp", tree: Path | None = None,
+                 env: dict[str, str] | None = None) -> None:
         """``letters``: the name prefix's first letters (two servers of one benchmark need
         different ones); ``tree``: run the aenv of another source tree (e.g. an older
-        commit's ``git archive``, to compare side by side) instead of this one."""
+        commit's ``git archive``, to compare side by side) instead of this one; ``env``:
+        more environment for the server (settings to compare side by side)."""
         self.settings = Settings(
             home=home, cache_home=cache_home,
             name_prefix=f"{letters}{os.getpid() % 10000:04d}",
@@ -51,12 +53,14 @@ class VMServer:
         self.proc: subprocess.Popen[bytes] | None = None
         self.cprofile = cprofile
         self.server_args = server_args
+        self.env = env or {}
 
     def start(self) -> None:
         s = self.settings
         env = {**os.environ, "AENV_HOME": str(s.home), "AENV_CACHE_HOME": str(s.artifacts),
                "AENV_NAME_PREFIX": s.name_prefix, "AENV_HOST_CIDR": s.host_cidr,
-               "AENV_VETH_CIDR": s.veth_cidr, "AENV_WARM_SLOTS": str(s.warm_slots)}
+               "AENV_VETH_CIDR": s.veth_cidr, "AENV_WARM_SLOTS": str(s.warm_slots),
+               **self.env}
         argv = [sys.executable, "-m", "aenv.cli.main", "server", "--port", str(self.port),
                 *self.server_args]
         if self.tree is not None:

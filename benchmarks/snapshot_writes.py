@@ -30,7 +30,14 @@ and pauses it into a template snapshot, then on VMs restored from it, as every s
   server runs DIR's aenv at the same time (net + 1) and the two take turns, so the
   comparison shares the host's load: ``via_api.this_tree`` and ``via_api.baseline``.
 - ``pause_after_dirtying``: a guest process fills ``--dirty-mib`` MiB with a non-zero byte
-  pattern, then ``VM.snapshot(stop=True)`` (a pause), ``--dirty-reps`` times on fresh VMs.
+  pattern, then a pause, ``--dirty-reps`` times on fresh VMs, the two ways taking turns in
+  the same run: ``inline`` (``VM.snapshot(stop=True)``: the memory is written before the
+  call returns, as before the deferred pause) and ``deferred`` (``VM.pause_deferred``, as
+  the node pauses: it answers once device state and drives are committed, then
+  ``DeferredMemory.write`` copies the memory from the frozen VMM). Per way: ``answer_ms``
+  (what a pause request waits for), its phases; for ``deferred`` also ``write_ms`` and its
+  phases; and ``resume_right_after_ms``: a resume that arrives as the pause answered (for
+  ``deferred`` it waits for the write, as the node's resume does) until envd is healthy.
 
 Output: one JSON object (milliseconds); every summary has its n, p99 is null below 100
 samples (``max`` is the worst seen). ``goals``: issue 21's (p99 <= 150 ms over 20 snapshots
@@ -214,18 +221,77 @@ async def _start_writer(url: str, sid: str, token: str | None) -> None:
         await envd.aclose()
 
 
+async def _dirty(sbx: Any, size: int) -> None:
+    """A guest process fills ``size`` MiB with one non-zero byte (pages unlike the base)."""
+    await sbx.envd.start_background(
+        f"python3 -c \"import time; x = bytearray(b'\\xa5') * ({size} << 20); "
+        f"open('/tmp/dirty-ready', 'w').close(); time.sleep(3600)\"")
+    deadline = time.monotonic() + 300
+    while (await sbx.envd.run("test -e /tmp/dirty-ready")).exit_code != 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the guest did not finish dirtying memory")
+        await asyncio.sleep(0.2)
+
+
+async def dirty_pause_both(bench: Bench, template: Path, size: int,
+                           reps: int) -> dict[str, Any]:
+    """``pause_after_dirtying``: inline and deferred pauses taking turns (module docstring)."""
+    from aenv.storage import snapshots
+
+    rows: dict[str, list[dict[str, Any]]] = {"inline": [], "deferred": []}
+    for i in range(reps):
+        for mode in ("inline", "deferred"):
+            (slot,) = await bench.slots(1)
+            sbx, _ = await bench.restore(template, slot, f"dirty{mode[:3]}")
+            await _dirty(sbx, size)
+            directory = bench.root / f"dirty-{mode}-{size}-{i}"
+            t0 = time.monotonic()
+            if mode == "inline":
+                info = await sbx.vm.snapshot(directory, stop=True)
+                answered = time.monotonic() - t0
+                row: dict[str, Any] = {}
+            else:
+                info, pending = await sbx.vm.pause_deferred(directory)
+                answered = time.monotonic() - t0
+                assert pending is not None, "a restored VM's pause was not deferred"
+                phases = await pending.write()
+                row = {"write_ms": ms(time.monotonic() - t0 - answered),
+                       "write_phases_ms": {k: ms(v) for k, v in phases.items()}}
+            (slot2,) = await bench.slots(1)
+            again, timing = await bench.restore(directory, slot2, f"again{mode[:3]}")
+            row.update({"answer_ms": ms(answered), "freeze_ms": ms(info.freeze_s),
+                        "resume_right_after_ms": ms(time.monotonic() - t0 - answered),
+                        "resume_healthy_ms": timing["healthy_ms"],
+                        "phases_ms": {k: ms(v) for k, v in info.phases.items()}})
+            rows[mode].append(row)
+            await bench.destroy(again)
+            await bench.destroy(sbx)
+            snapshots.remove(directory)
+            log(f"dirtied {size} MiB, {mode} pause: answer {row['answer_ms']:.0f} ms, resume "
+                f"right after {row['resume_right_after_ms']:.0f} ms")
+    out: dict[str, Any] = {}
+    for mode, rs in rows.items():
+        out[mode] = {k: summary([r[k] for r in rs]) for k in (
+            "answer_ms", "freeze_ms", "resume_right_after_ms", "resume_healthy_ms")}
+        out[mode]["phases_ms"] = phase_summaries([r["phases_ms"] for r in rs])
+        if mode == "deferred":
+            out[mode]["write_ms"] = summary([r["write_ms"] for r in rs])
+            out[mode]["write_phases_ms"] = phase_summaries([r["write_phases_ms"] for r in rs])
+    return {f"{size}mib": out}
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     bench = await Bench.open("sw", args.net, args.flavor)
     out: dict[str, Any] = {}
     try:
         template, first = await bench.template(args.mib)
         out["template_boot"] = first
-        out["snapshot_while_writing"] = await while_writing(bench, template, args.snapshots,
-                                                            args.mib)
+        if args.snapshots:
+            out["snapshot_while_writing"] = await while_writing(bench, template,
+                                                                args.snapshots, args.mib)
         if args.dirty_reps:
-            dirty = await bench.dirty_pause(template, [args.dirty_mib], args.dirty_reps,
-                                            args.mib)
-            out["pause_after_dirtying"] = dirty
+            out["pause_after_dirtying"] = await dirty_pause_both(
+                bench, template, args.dirty_mib, args.dirty_reps)
     finally:
         await bench.close()
     return out
@@ -263,7 +329,9 @@ def main() -> None:
               "snapshot_while_writing_p99_ms": writes["total_ms"]["p99"] if writes else None,
               "snapshot_while_writing_max_ms": writes["total_ms"]["max"] if writes else None,
               f"pause_after_dirtying_{args.dirty_mib}mib_p50_ms":
-                  dirty["total_ms"]["p50"] if dirty else None}}})
+                  dirty["deferred"]["answer_ms"]["p50"] if dirty else None,
+              f"inline_pause_after_dirtying_{args.dirty_mib}mib_p50_ms":
+                  dirty["inline"]["answer_ms"]["p50"] if dirty else None}}})
 
 
 if __name__ == "__main__":
