@@ -120,3 +120,11 @@ def test_a_tcg_boot_starts_paused_and_a_kvm_boot_does_not() -> None:
 def test_the_pit_is_stopped_by_a_mode_0_control_word() -> None:
     # Port 0x43 is the PIT's control register; 0x30: channel 0, low then high byte, mode 0.
     assert qemu_args.TCG_BOOT_HMP == ("o /b 0x43 0x30",)
+
+
+def test_the_translation_cache_size_is_tcg_only() -> None:
+    from aenv.runtime.qemu import TCG_TB_MIB, QemuRuntime
+
+    assert QemuRuntime().tcg_tb_mib == TCG_TB_MIB == 128
+    assert opt(build_argv(spec(), "tcg", tcg_tb_mib=TCG_TB_MIB), "-accel") == ["tcg,tb-size=128"]
+    assert opt(build_argv(spec(), "kvm", tcg_tb_mib=TCG_TB_MIB), "-accel") == ["kvm"]
