@@ -1,6 +1,8 @@
 """What an idle sandbox costs the host: memory (PSS) and CPU per sandbox, N at once.
 
 Run as root: ``.venv/bin/python benchmarks/density.py [--n 30] [--window 20] [--settle 10]``
+(``--tree DIR``: the aenv of another source tree, e.g. ``git archive <commit>`` unpacked, for
+an A/B of two commits run back to back on the same host)
 
 Method: starts ``aenv server`` in a child process (``benchmarks/_server.py``: its own home,
 name prefix and address ranges, 10.<--net>.0/24, default 133; the host's kernel and image
@@ -15,7 +17,9 @@ of them:
   code) split between them; the sum over all VMMs is what the host spends on them.
   ``anonymous_mib``: the private part, split into ``guest_ram_written`` (guest pages
   copied on write since the restore, in the VMM's mapping of the template's memory file)
-  and ``vmm_own`` (TCG's translation cache, QEMU's heap and device buffers).
+  and ``vmm_own`` (TCG's translation cache, QEMU's heap and device buffers), of which
+  ``tcg_translation_cache`` is the translation cache alone (anonymous pages of the VMM's
+  executable anonymous mapping: what KVM does not have).
 - ``cpu_ms_per_s``: host CPU time (``utime + stime`` of ``/proc/PID/stat``, every thread of
   the VMM) over ``--window`` seconds, per second of wall time, per sandbox; ``server`` is
   the aenv server's own (TTL loop, proxy, metrics) over the same window; ``host_busy_pct``
@@ -94,11 +98,16 @@ def rollup_kib(pid: int) -> dict[str, int]:
     return kb
 
 
-def guest_written_kib(pid: int) -> int:
-    """Anonymous (copied-on-write) KiB inside the VMM's file mappings of 64 MiB or more: the
-    guest RAM pages written since the restore. The rest of its anonymous memory is QEMU's
-    own (TCG's translation cache, heap, device buffers)."""
-    total, in_file, size = 0, False, 0
+def anonymous_split_kib(pid: int) -> tuple[int, int]:
+    """(guest, tcg) KiB of the VMM's anonymous memory. guest: copied-on-write pages inside
+    its file mappings of 64 MiB or more, i.e. guest RAM pages written since the restore.
+    tcg: anonymous pages of its executable anonymous mappings, i.e. TCG's translation
+    cache (the one such mapping, ``tb-size`` large), which KVM does not have. The rest of
+    its anonymous memory is QEMU's own (heap, the vCPU thread's arena with TCG's soft TLB,
+    device buffers, relocated library data)."""
+    guest = tcg = 0
+    in_file = is_code = False
+    size = 0
     with open(f"/proc/{pid}/smaps") as f:
         for line in f:
             head = line.split()
@@ -106,9 +115,13 @@ def guest_written_kib(pid: int) -> int:
                 lo, hi = (int(x, 16) for x in head[0].split("-"))
                 size = hi - lo
                 in_file = len(head) >= 6 and head[5].startswith("/")
-            elif head[0] == "Anonymous:" and in_file and size >= 64 << 20:
-                total += int(head[1])
-    return total
+                is_code = len(head) < 6 and "x" in head[1]
+            elif head[0] == "Anonymous:":
+                if in_file and size >= 64 << 20:
+                    guest += int(head[1])
+                elif is_code:
+                    tcg += int(head[1])
+    return guest, tcg
 
 
 def cpu_ticks(pid: int) -> int:
@@ -183,14 +196,17 @@ async def _measure(srv: VMServer, args: argparse.Namespace) -> dict[str, Any]:
         after = {p: cpu_ticks(p) for p in watched}
         host_after = host_ticks()
         ms_per_s = {p: (after[p] - before[p]) * 1000 / TICK / wall for p in watched}
-        mem = {p: {**rollup_kib(p), "guest": guest_written_kib(p)} for p in [*mine, *others]}
+        split = {p: anonymous_split_kib(p) for p in [*mine, *others]}
+        mem = {p: {**rollup_kib(p), "guest": g, "tcg": t} for p, (g, t) in split.items()}
         ran = await answers(sandboxes)
-        used = {p: rollup_kib(p) for p in mine if os.path.exists(f"/proc/{p}")}
+        used = {p: {**rollup_kib(p), "tcg": anonymous_split_kib(p)[1]}
+                for p in mine if os.path.exists(f"/proc/{p}")}
     finally:
         await asyncio.gather(*(s.kill() for s in sandboxes), return_exceptions=True)
     pss = [mem[p]["Pss"] / 1024 for p in mine]
     anon = [mem[p]["Anonymous"] / 1024 for p in mine]
     guest = [mem[p]["guest"] / 1024 for p in mine]
+    tcg = [mem[p]["tcg"] / 1024 for p in mine]
     cpu = [ms_per_s[p] for p in mine]
     ok = [x for x in ran if x is not None and x <= ANSWER_WITHIN_S * 1000]
     busy = (host_after[0] - host_before[0]) / max(host_after[1] - host_before[1], 1)
@@ -201,6 +217,7 @@ async def _measure(srv: VMServer, args: argparse.Namespace) -> dict[str, Any]:
         "anonymous_mib": {"per_sandbox_mean": round(sum(anon) / len(anon), 1),
                           "guest_ram_written_mean": round(sum(guest) / len(guest), 1),
                           "vmm_own_mean": round((sum(anon) - sum(guest)) / len(anon), 1),
+                          "tcg_translation_cache_mean": round(sum(tcg) / len(tcg), 1),
                           "spread": summary(anon)},
         # The same VMMs once each ran its one command: under TCG the translation cache
         # grows with the code a guest runs (up to the driver's tb-size), so an idle
@@ -208,6 +225,8 @@ async def _measure(srv: VMServer, args: argparse.Namespace) -> dict[str, Any]:
         "pss_after_one_command_mib": {
             "per_sandbox_mean": round(sum(u["Pss"] for u in used.values()) / 1024
                                       / max(len(used), 1), 1),
+            "tcg_translation_cache_mean": round(sum(u["tcg"] for u in used.values()) / 1024
+                                                / max(len(used), 1), 1),
             "n": len(used)},
         "cpu_ms_per_s": {"per_sandbox_mean": round(sum(cpu) / len(cpu), 2),
                          "sum": round(sum(cpu), 1), "spread": summary(cpu),
@@ -235,13 +254,17 @@ def main() -> None:
     ap.add_argument("--window", type=float, default=20.0, help="seconds of CPU measurement")
     ap.add_argument("--net", type=int, default=133,
                     help="second octet of the server's host and veth /24s")
+    ap.add_argument("--tree", type=Path, default=None,
+                    help="run the aenv of this source tree (e.g. an older commit's "
+                         "`git archive`, unpacked) instead of this one, to compare")
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("density.py needs root (network namespaces, VMs)")
     home = Path(tempfile.mkdtemp(prefix="aenv-bench-density-"))
     srv = VMServer(home, args.net, Settings.from_env().artifacts,
-                   server_args=("--max-sandboxes", str(args.n + 8)))
-    result: dict[str, Any] = {"benchmark": "density", "load_before": os.getloadavg()}
+                   server_args=("--max-sandboxes", str(args.n + 8)), tree=args.tree)
+    result: dict[str, Any] = {"benchmark": "density", "load_before": os.getloadavg(),
+                              "tree": str(args.tree) if args.tree else None}
     try:
         log(f"starting aenv server (prefix {srv.settings.name_prefix})")
         srv.start()
