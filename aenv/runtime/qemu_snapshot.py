@@ -43,7 +43,9 @@ the VMM ended. Nothing restores a marked snapshot (``prepare_restore`` refuses i
 marker names the VMM's working directory so that a server that stopped in between can
 adopt the still-frozen VMM and write the layer again from the start. The copy costs what
 it did, only after the answer (``benchmarks/snapshot_writes.py``, ``pause_after_dirtying``,
-compares both ways). A booted VM's pause (its own RAM file) is never deferred.
+compares both ways; with 200 MiB written under TCG on a loaded 2-core host the pause
+answered in ~16 ms instead of ~640 ms, and the write took ~590 ms after it). A booted VM's
+pause (its own RAM file) is never deferred.
 
 Drives (qcow2): pausing moves the VM's top overlay into the snapshot (O(1)); a running
 snapshot hard-links the frozen top into the snapshot and switches the VM onto a new overlay

@@ -20,8 +20,10 @@ every driver; each driver supplies the steps (``CaptureSteps``), the recipe runs
 - ``commit``: what is left to do off the freeze (compacting a chain, sorting out the
   memory layer), the manifest, and ``snapshots.commit`` (every file fsynced, renamed into
   place). From here the snapshot exists and nothing is undone.
-- ``finish``: a pause ends the VMM (``Capture.vmm_stopped``); a VM that runs on records
-  the snapshot as what it derives from now.
+- ``finish``: a pause ends the VMM (``Capture.vmm_stopped``), unless its memory is
+  deferred (``VM.pause_deferred``: ``save_memory`` left a marker instead, and the VMM waits
+  frozen for ``DeferredMemory.write``); a VM that runs on records the snapshot as what it
+  derives from now.
 
 Timing: the recipe times every step with one ``PhaseTimer`` (``Capture.timer``): one phase
 per step, named after it, in ``Capture.phases``; a step may add finer phases of its own
