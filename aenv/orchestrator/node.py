@@ -907,7 +907,8 @@ class NodeMachines:
             try:
                 removed = await asyncio.to_thread(
                     snapshot_store.collect, self.settings.snapshots_dir,
-                    self.settings.layers_dir, roots() | set(self._pending))
+                    self.settings.layers_dir,
+                    roots() | {str(ImageRef.snapshot(name)) for name in self._pending})
                 # The cached empty overlays of what was just deleted go with it.
                 await asyncio.to_thread(disks.prune_overlay_cache, self.settings.vms_dir)
             except snapshot_store.DependenciesUnknown as e:
