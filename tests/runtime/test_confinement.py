@@ -25,7 +25,7 @@ import pytest
 from aenv.runtime import VMLimits
 from aenv.runtime import confine as cf
 from aenv.runtime import workdir as wd
-from aenv.runtime.qemu import QemuRuntime
+from aenv.runtime.qemu import TCG_TB_MIB, QemuRuntime
 from aenv.storage import snapshots
 from tests.runtime.conftest import (
     GUEST_MIB,
@@ -100,7 +100,7 @@ def test_the_vmm_is_in_its_cgroup_with_limits_from_the_vm_size(plain: Guest) -> 
     vm = plain.vm
     cg = vm.jail.cgroup
     assert cg is not None and cg.contains(vm.pid)
-    tb = 256 if vm.accel == "tcg" else None
+    tb = TCG_TB_MIB if vm.accel == "tcg" else None
     want = cf.limits_for(1, GUEST_MIB, tcg_tb_mib=tb)
     assert vm.jail.limits == want
     assert cg.memory_stats()["limit"] == want.memory_max
