@@ -40,6 +40,7 @@ from .orchestrator.volumes import Volumes
 from .proxy import ProxyRouter, Route, RouteTable
 from .proxy.front import Front
 from .storage.shared_volumes import SharedVolumes
+from .storage.volumes import volumes_dir
 from .store import (
     VM_STATES,
     Database,
@@ -54,6 +55,17 @@ from .store.volumes import VolumeStore
 log = logging.getLogger("aenv.server")
 
 CLOSE_STEP_S = 25.0  # how long a part of the server may take to stop before it is left
+
+
+def _warn_of_local_volumes(store: VolumeStore, settings: Settings) -> None:
+    """Volumes this node made before it had a shared store stay in its own directory, and a
+    node with one serves only the shared store's: say so at every start, by name, rather
+    than let them vanish from the API unexplained (their files are kept)."""
+    local = store.list()
+    if local:
+        log.warning("%d volume(s) made before AENV_SHARED_STORE was set are kept under %s "
+                    "but not served while it is: %s", len(local),
+                    volumes_dir(settings), ", ".join(sorted(v.name for v in local)))
 
 
 async def _close_step(name: str, step: Any, *, bound_s: float = CLOSE_STEP_S) -> None:
@@ -128,6 +140,8 @@ class Server:
             SharedVolumes(settings.shared_store, node_id(settings))
             if settings.shared_store else None)
         self._volume_users: asyncio.Task[None] | None = None
+        if settings.shared_store:
+            _warn_of_local_volumes(VolumeStore(self.db), settings)
         self.secrets = SecretStore(self.db, SecretBox(load_key(settings.secrets_dir)))
         self.machines = machines
         # In a cluster the secrets are the cluster's (``aenv.cluster.shared_secrets``): one

@@ -20,6 +20,7 @@ from aenv.orchestrator.errors import InvalidRequest
 from aenv.orchestrator.metrics import MetricsCollector
 from aenv.orchestrator.service import Orchestrator
 from aenv.orchestrator.volumes import Volumes
+from aenv.server import _warn_of_local_volumes
 from aenv.storage.shared_volumes import SharedVolumes
 from aenv.store import Database, SandboxRecord, SandboxState, SandboxStore, TemplateStore
 from aenv.store.volumes import VolumeStore
@@ -142,3 +143,19 @@ def test_a_create_cannot_mount_a_volume_being_deleted(nodes: tuple[Node, Node]) 
     assert n2.volumes.users(vid) == []   # it let go of what it held
     shared.end_delete(vid)
     assert n2.volumes.resolve_mounts([{"name": "data", "path": "/d"}])[0]["volumeID"] == vid
+
+
+def test_volumes_made_before_the_shared_store_are_named_at_start(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A node given a shared store serves only its volumes; those it made before are kept
+    on disk, and each start says which, instead of letting them vanish unexplained."""
+    db = Database(tmp_path / "aenv.db")
+    store = VolumeStore(db)
+    settings = Settings(home=tmp_path / "home", shared_store=tmp_path / "shared")
+    _warn_of_local_volumes(store, settings)
+    assert "before AENV_SHARED_STORE" not in caplog.text
+    store.insert("datasets", 16)
+    _warn_of_local_volumes(store, settings)
+    assert "1 volume(s) made before AENV_SHARED_STORE" in caplog.text
+    assert "datasets" in caplog.text and str(tmp_path / "home" / "volumes") in caplog.text
+    db.close()
