@@ -82,6 +82,10 @@ START_READY_TIMEOUT_S = 120.0
 GUEST_SYNC_TIMEOUT_S = 60.0  # a filesystem pause's `sync` in the guest
 # How long a VMM pre-started for a paused sandbox's resume waits (``VMMPool.want_once``).
 RESUME_PRESTART_S = 60.0
+# Pauses' memory writes at once (``_finish_pause``): each is a thread bound by the disk for
+# a second or so; a burst of pauses (TTL auto-pause) queues instead of taking every
+# blocking thread and competing for the disk.
+PAUSE_WRITES = 2
 CONSOLE_CHECK_S = 10.0  # how often the running VMs' console logs are held to their bound
 
 
@@ -173,6 +177,7 @@ class NodeMachines:
         # snapshot name: a resume waits for its own, collection keeps theirs.
         self._pending: dict[str, asyncio.Task[None]] = {}
         self._pending_workdirs: dict[str, Path] = {}  # the VMM's of each, by the same name
+        self._pause_writes = asyncio.Semaphore(PAUSE_WRITES)
         self._console_task: asyncio.Task[None] | None = None
         # In a cluster with a shared store: pauses and snapshots are published there, and
         # a snapshot this node lacks is fetched from there (``aenv.storage.shared_store``);
@@ -723,7 +728,8 @@ class NodeMachines:
         written = False
         try:
             try:
-                phases = await deferred.write()
+                async with self._pause_writes:
+                    phases = await deferred.write()
                 written = True
                 log.info("sandbox %s: memory of its pause to %s written (%s)", sandbox,
                          directory.name, ", ".join(f"{k} {v * 1000:.0f} ms"

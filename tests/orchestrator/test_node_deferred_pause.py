@@ -28,9 +28,11 @@ class Deferring(DeferredMemory):
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self.go = asyncio.Event()
+        self.started = False
         self.done = False
 
     async def write(self) -> dict[str, float]:
+        self.started = True
         await self.go.wait()
         (self.directory / snap.MEMORY_PENDING).unlink()
         self.done = True
@@ -108,3 +110,21 @@ async def test_a_restart_finds_committed_pending_pauses_only(node) -> None:
     (root / "committed" / snap.MANIFEST).write_text("{}")
     found = machines._pending_pauses()
     assert [(d.name, p.note) for d, p in found] == [("committed", {"slot": 3})]
+
+
+async def test_a_burst_of_pauses_writes_at_most_pause_writes_memories_at_once(node) -> None:
+    from aenv.orchestrator.node import PAUSE_WRITES
+
+    orch, machines, settings = node
+    made = [deferring_sandbox(orch, machines, settings) for _ in range(PAUSE_WRITES + 1)]
+    for rec, _ in made:
+        await orch.pause(rec.id)
+    vms = [vm for _, vm in made]
+    await asyncio.sleep(0.1)
+    writing = [vm.deferred for vm in vms if vm.deferred is not None and vm.deferred.started]
+    assert len(writing) == PAUSE_WRITES
+    for vm in vms:
+        assert vm.deferred is not None
+        vm.deferred.go.set()
+    await asyncio.wait_for(asyncio.gather(*machines._pending.values()), 5)
+    assert all(vm.deferred is not None and vm.deferred.done for vm in vms)
