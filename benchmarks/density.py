@@ -2,7 +2,9 @@
 
 Run as root: ``.venv/bin/python benchmarks/density.py [--n 30] [--window 20] [--settle 10]``
 (``--tree DIR``: the aenv of another source tree, e.g. ``git archive <commit>`` unpacked, for
-an A/B of two commits run back to back on the same host)
+an A/B of two commits run back to back on the same host; ``--memory-overcommit``: the
+server's admission of guest memory per byte of host RAM, whose default 2 lets a 24 GiB host
+admit 94 guests of 512 MiB, whatever they really use)
 
 Method: starts ``aenv server`` in a child process (``benchmarks/_server.py``: its own home,
 name prefix and address ranges, 10.<--net>.0/24, default 133; the host's kernel and image
@@ -254,17 +256,23 @@ def main() -> None:
     ap.add_argument("--window", type=float, default=20.0, help="seconds of CPU measurement")
     ap.add_argument("--net", type=int, default=133,
                     help="second octet of the server's host and veth /24s")
+    ap.add_argument("--memory-overcommit", type=float, default=None,
+                    help="the server's AENV_MEMORY_OVERCOMMIT (its default, 2, admits 94 "
+                         "guests of 512 MiB on a 24 GiB host: --n 100 needs more)")
     ap.add_argument("--tree", type=Path, default=None,
                     help="run the aenv of this source tree (e.g. an older commit's "
                          "`git archive`, unpacked) instead of this one, to compare")
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("density.py needs root (network namespaces, VMs)")
+    if args.memory_overcommit is not None:  # the server child inherits the environment
+        os.environ["AENV_MEMORY_OVERCOMMIT"] = str(args.memory_overcommit)
     home = Path(tempfile.mkdtemp(prefix="aenv-bench-density-"))
     srv = VMServer(home, args.net, Settings.from_env().artifacts,
                    server_args=("--max-sandboxes", str(args.n + 8)), tree=args.tree)
     result: dict[str, Any] = {"benchmark": "density", "load_before": os.getloadavg(),
-                              "tree": str(args.tree) if args.tree else None}
+                              "tree": str(args.tree) if args.tree else None,
+                              "memory_overcommit": args.memory_overcommit}
     try:
         log(f"starting aenv server (prefix {srv.settings.name_prefix})")
         srv.start()
