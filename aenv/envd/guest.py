@@ -83,11 +83,11 @@ class GuestHooks:
                 held = f.read()
         except FileNotFoundError:
             held = ""
-        for path in (source, bundle):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(source, "w") as f:
-            f.write(pem)
-        if pem not in held:
+        if pem not in held:  # once: /init comes after every resume, and does no more
+            for path in (source, bundle):
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(source, "w") as f:
+                f.write(pem)
             with open(bundle, "a") as f:
                 f.write(pem)
         return ca_env(held.replace(pem, "").count("-----BEGIN CERTIFICATE-----") > 0,
