@@ -1,15 +1,21 @@
 """Per-sandbox resource samples for ``GET /sandboxes/{id}/metrics``.
 
-Every ``interval`` seconds the collector asks each running sandbox's envd for
-``/metrics`` and keeps the last ``keep`` samples in memory (a restart starts the history
-afresh; the SDK only asks for recent windows). A sandbox that sits idle is asked only
-every ``IDLE_EVERY``-th round: a call wakes its guest (TCP, envd's Python), and on a TCG
-host those wake-ups were about half of what an idle sandbox's VMM spends (idle VMMs
-measured 14.7-17.3 ms/s of host CPU each with a sample every 5 s, 8.7-9.3 without; the
-guest's timer interrupts 19/s against 10/s). Idle is read on the host, without asking
-the guest: its VMM (``vm_pid``) used less than ``IDLE_CPU_MS_PER_S`` of host CPU per
-second since the previous round. A sandbox with no sample yet, no known VMM, or a VMM
-that worked is asked every round; the history of an idle one is sparser, not wrong.
+Every ``interval`` seconds the collector samples each running sandbox and keeps the last
+``keep`` samples in memory (a restart starts the history afresh; the SDK only asks for
+recent windows). A sample is envd's ``/metrics`` answer, or, for a guest that did nothing,
+a repeat of its last one (``_repeat``): asking wakes the guest (TCP, envd's Python), ~35-50
+ms of its VMM's host CPU under TCG per call, which every 30 s was half of what an idle
+sandbox cost the host (~3 ms/s).
+
+Whether the guest did anything is read on the host, without asking it: its VMM
+(``vm_pid``, ``/proc/PID/stat``) used less than ``IDLE_CPU_MS_PER_S`` of host CPU per
+second since the previous round. Such a round repeats the last answer with the host's
+timestamp and ``cpuUsedPct`` from the VMM's own CPU time over the round (its share of the
+guest's vCPUs: an upper bound of the guest's use, as emulation and device threads count
+too); memory and disk are the last answer's, which nothing ran to change. The first
+answer after repeats takes its ``cpuUsedPct`` the same way (envd's covers every second
+since it was last asked). A sandbox with no answer yet, no known VMM, a VMM that worked,
+a failed last answer, or whose last answer is ``REFRESH_S`` old is asked.
 
 A guest's root can answer anything, so nothing it sends is trusted. Each call is bounded
 by ``SAMPLE_TIMEOUT_S`` and by ``EnvdClient``'s ``METRICS_MAX_BYTES``; the answer must be
@@ -29,6 +35,7 @@ import math
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -51,10 +58,12 @@ MAX_VALUE = 2 ** 53
 # far enough outside it would not convert to a date at all.
 TS_RANGE = (946_684_800, 4_102_444_800)
 # Below this much host CPU per second of wall time (all its threads), a VMM's guest counts
-# as idle: an idle TCG guest costs ~9-17 ms/s, one that runs anything 100 and more.
+# as idle: an idle TCG guest costs ~2-5 ms/s (one /metrics call ~35-50 ms, so a guest asked
+# every 5 s stays below too), one that runs anything 100 and more.
 IDLE_CPU_MS_PER_S = 30.0
-# An idle sandbox is asked every this many rounds (30 s at the default 5 s interval).
-IDLE_EVERY = 6
+# An idle guest is asked at least this often (seconds), so what slow changes below the
+# threshold add up to shows within minutes; ~0.15 ms/s of an idle VMM's host CPU.
+REFRESH_S = 300.0
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
 
@@ -84,6 +93,16 @@ def _integer(m: dict[str, Any], key: str, default: int, high: int = MAX_VALUE) -
     return value
 
 
+def _stamp(ts: int) -> dict[str, Any]:
+    return {"timestamp": datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z"),
+            "timestampUnix": ts}
+
+
+def _vmm_pct(busy_ms_per_s: float, cpu_count: int) -> float:
+    """A guest's CPU use in percent of its vCPUs, from its VMM's host CPU ms per second."""
+    return round(min(busy_ms_per_s / 10 / max(cpu_count, 1), 100.0), 2)
+
+
 def _parse(m: Any) -> dict[str, Any]:
     """The API's sample from envd's answer; ``BadSample`` unless every field is sane. A
     missing field counts as 0, except the timestamp, which is then the host's clock."""
@@ -97,8 +116,7 @@ def _parse(m: Any) -> dict[str, Any]:
             or not 0 <= cpu <= 100):
         raise BadSample(f"cpu_used_pct is {_shown(cpu)}, not a percentage")
     sample: dict[str, Any] = {
-        "timestamp": datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z"),
-        "timestampUnix": ts,
+        **_stamp(ts),
         "cpuCount": _integer(m, "cpu_count", 0, high=4096),
         "cpuUsedPct": float(cpu),
         "memUsed": _integer(m, "mem_used", 0),
@@ -115,13 +133,15 @@ def _parse(m: Any) -> dict[str, Any]:
 
 
 class MetricsCollector:
-    def __init__(self, sandboxes: SandboxStore, interval: float = 5.0, keep: int = 720) -> None:
-        self.sandboxes, self.interval, self.keep = sandboxes, interval, keep
+    def __init__(self, sandboxes: SandboxStore, interval: float = 5.0, keep: int = 720,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.sandboxes, self.interval, self.keep, self.clock = sandboxes, interval, keep, clock
         self._samples: dict[str, deque[dict[str, Any]]] = {}
         self._failing: set[str] = set()  # sandboxes whose last sample failed (and logged)
-        # sandbox -> (VMM pid, its CPU seconds, monotonic time) at the previous round
+        # sandbox -> (VMM pid, its CPU seconds, clock) at the previous round
         self._cpu: dict[str, tuple[int, float, float]] = {}
-        self._skipped: dict[str, int] = {}  # rounds an idle sandbox was not asked in a row
+        self._asked: dict[str, float] = {}  # sandbox -> clock of its last good answer
+        self._repeated: set[str] = set()  # sandboxes whose last sample is a repeat
         self._task: asyncio.Task[None] | None = None
         self._http = plain_client(timeout=httpx.Timeout(3.0, connect=1.0))
 
@@ -151,43 +171,64 @@ class MetricsCollector:
                 broken = True
 
     async def collect_once(self) -> None:
-        """Sample every running sandbox once, concurrently; each sample is bounded by
-        ``SAMPLE_TIMEOUT_S`` and none can fail the round."""
+        """Sample every running sandbox once: idle ones from their last answer, the others
+        by asking, concurrently; each call is bounded by ``SAMPLE_TIMEOUT_S`` and none can
+        fail the round."""
         running = self.sandboxes.in_states((SandboxState.RUNNING,))
         live = {r.id for r in running}
         for gone in set(self._samples) - live:
             if self.sandboxes.get(gone) is None:
                 del self._samples[gone]
         self._failing &= live
+        self._repeated &= live
         for gone in set(self._cpu) - live:
             del self._cpu[gone]
-            self._skipped.pop(gone, None)
-        await asyncio.gather(*(self._sample(r.id, r.host_ip, r.envd_token) for r in running
-                               if r.host_ip and not self._let_rest(r.id, r.vm_pid)))
+        for gone in set(self._asked) - live:
+            del self._asked[gone]
+        asks = []
+        for r in running:
+            if not r.host_ip:
+                continue
+            busy = self._vmm_busy(r.id, r.vm_pid)
+            if busy is not None and self._may_repeat(r.id, busy):
+                self._repeat(r.id, busy)
+            else:
+                after_repeats = busy if r.id in self._repeated else None
+                asks.append(self._sample(r.id, r.host_ip, r.envd_token, after_repeats))
+        await asyncio.gather(*asks)
 
-    def _let_rest(self, sandbox_id: str, pid: int | None) -> bool:
-        """Whether this round leaves the sandbox's guest alone: it has a sample, its VMM
-        used less than ``IDLE_CPU_MS_PER_S`` since the previous round, and it was asked
-        within the last ``IDLE_EVERY`` rounds."""
-        now = time.monotonic()
+    def _vmm_busy(self, sandbox_id: str, pid: int | None) -> float | None:
+        """Host CPU ms per second the sandbox's VMM used since the previous round; None for
+        the first round of a VMM, or when it is unknown or unreadable."""
+        now = self.clock()
         used = vmm_cpu_s(pid) if pid else None
         before = self._cpu.get(sandbox_id)
         if used is None or pid is None:
             self._cpu.pop(sandbox_id, None)
-            return False
+            return None
         self._cpu[sandbox_id] = (pid, used, now)
-        if before is None or before[0] != pid or not self._samples.get(sandbox_id):
-            return False
-        idle = (used - before[1]) * 1000 / max(now - before[2], 1e-3) < IDLE_CPU_MS_PER_S
-        skipped = self._skipped.get(sandbox_id, 0)
-        if idle and skipped + 1 < IDLE_EVERY:
-            self._skipped[sandbox_id] = skipped + 1
-            return True
-        self._skipped[sandbox_id] = 0
-        return False
+        if before is None or before[0] != pid:
+            return None
+        return max(used - before[1], 0.0) * 1000 / max(now - before[2], 1e-3)
 
-    async def _sample(self, sandbox_id: str, host_ip: str, token: str | None) -> None:
+    def _may_repeat(self, sandbox_id: str, busy: float) -> bool:
+        """Whether this round repeats the last answer instead of asking (module doc)."""
+        asked = self._asked.get(sandbox_id)
+        return (busy < IDLE_CPU_MS_PER_S and asked is not None
+                and self.clock() - asked < REFRESH_S and bool(self._samples.get(sandbox_id)))
+
+    def _repeat(self, sandbox_id: str, busy: float) -> None:
+        last = self._samples[sandbox_id][-1]
+        self._add(sandbox_id, {**last, **_stamp(int(time.time())),
+                               "cpuUsedPct": _vmm_pct(busy, last["cpuCount"])})
+        self._repeated.add(sandbox_id)
+
+    async def _sample(self, sandbox_id: str, host_ip: str, token: str | None,
+                      after_repeats: float | None) -> None:
+        """Ask the guest; ``after_repeats``: the VMM's ms/s over this round when the
+        previous samples were repeats (then it gives ``cpuUsedPct``)."""
         client = EnvdClient(f"http://{host_ip}:{ENVD_PORT}", token, client=self._http)
+        self._asked.pop(sandbox_id, None)  # repeats resume only after a good answer
         try:
             sample = _parse(await client.metrics(timeout=SAMPLE_TIMEOUT_S))
         except httpx.HTTPError as e:  # no connection: envd not up (yet), or going away
@@ -199,7 +240,14 @@ class MetricsCollector:
         except Exception:
             self._failed(sandbox_id, "metrics skipped: unexpected error", exc_info=True)
             return
+        if after_repeats is not None:
+            sample["cpuUsedPct"] = _vmm_pct(after_repeats, sample["cpuCount"])
         self._failing.discard(sandbox_id)
+        self._repeated.discard(sandbox_id)
+        self._asked[sandbox_id] = self.clock()
+        self._add(sandbox_id, sample)
+
+    def _add(self, sandbox_id: str, sample: dict[str, Any]) -> None:
         self._samples.setdefault(sandbox_id, deque(maxlen=self.keep)).append(sample)
 
     def _failed(self, sandbox_id: str, message: str, exc_info: bool = False) -> None:

@@ -195,28 +195,115 @@ async def test_the_loop_survives_a_failing_store(world, monkeypatch: pytest.Monk
         await collector.close()
 
 
-async def test_an_idle_guest_is_asked_every_few_rounds_a_busy_one_every_round(
+def _counted(answer: Answer, asks: list[str], name: str) -> Answer:
+    async def counted(writer: asyncio.StreamWriter) -> None:
+        asks.append(name)
+        await answer(writer)
+    return counted
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_an_idle_guest_is_asked_once_then_its_answer_repeated(
         world, monkeypatch: pytest.MonkeyPatch) -> None:
     """Idle is the VMM's host CPU between rounds (read on the host, not by asking the
-    guest): below ``IDLE_CPU_MS_PER_S`` a guest is asked every ``IDLE_EVERY``-th round
-    once it has a sample; a busy one, or one whose VMM is unknown, every round."""
+    guest): below ``IDLE_CPU_MS_PER_S`` a guest that answered is not asked again, and each
+    round repeats its answer with a fresh timestamp and the VMM's CPU as ``cpuUsedPct``; a
+    busy one, or one whose VMM is unknown, is asked every round."""
     fakes, store = world
+    asks: list[str] = []
     good = _json(json.dumps(GOOD).encode())
-    _running(store, "idle", await fakes.add(good), vm_pid=1001)
-    _running(store, "busy", await fakes.add(good), vm_pid=1002)
-    _running(store, "unknown", await fakes.add(good))
+    _running(store, "idle", await fakes.add(_counted(good, asks, "idle")), vm_pid=1001)
+    _running(store, "busy", await fakes.add(_counted(good, asks, "busy")), vm_pid=1002)
+    _running(store, "unknown", await fakes.add(_counted(good, asks, "unknown")))
     cpu = {1001: 0.0, 1002: 0.0}
     monkeypatch.setattr(metrics_module, "vmm_cpu_s", lambda pid: cpu.get(pid))
-    collector = await _collector(fakes, store, monkeypatch)
-    rounds = 2 * metrics_module.IDLE_EVERY
+    clock = _Clock()
+    collector = await _collector(fakes, store, monkeypatch, clock=clock)
+    rounds = 12
     try:
         for _ in range(rounds):
+            cpu[1001] += 0.01  # 10 ms of CPU in 5 s: 2 ms/s, idle
             cpu[1002] += 10.0  # seconds of CPU between two rounds: never idle
+            clock.now += 5.0
             await asyncio.wait_for(collector.collect_once(), _GUARD_S)
     finally:
         await collector.close()
-    counts = {sid: len(collector.samples(sid, None, None)) for sid in ("idle", "busy",
-                                                                      "unknown")}
-    assert counts["busy"] == counts["unknown"] == rounds
-    # the first round (no sample yet) and then once every IDLE_EVERY rounds
-    assert counts["idle"] == 1 + (rounds - 1) // metrics_module.IDLE_EVERY
+    assert asks.count("busy") == asks.count("unknown") == rounds
+    assert asks.count("idle") == 1
+    idle = collector.samples("idle", None, None)
+    assert len(idle) == rounds
+    assert idle[0] == collector.samples("busy", None, None)[0]  # the guest's own answer
+    for repeat in idle[1:]:
+        assert repeat["timestampUnix"] >= int(time.time()) - 60  # the host's clock
+        assert repeat["cpuUsedPct"] == 0.1  # 2 ms/s of one of 2 vCPUs' 1000 ms/s each
+        assert repeat["memUsed"] == GOOD["mem_used"]
+        assert repeat["diskTotal"] == GOOD["disk_total"]
+
+
+async def test_an_idle_guest_is_asked_again_when_it_works_or_its_answer_is_old(
+        world, monkeypatch: pytest.MonkeyPatch) -> None:
+    fakes, store = world
+    asks: list[str] = []
+    _running(store, "idle", await fakes.add(_counted(_json(json.dumps(GOOD).encode()), asks,
+                                                     "idle")), vm_pid=1001)
+    cpu = {1001: 0.0}
+    monkeypatch.setattr(metrics_module, "vmm_cpu_s", lambda pid: cpu.get(pid))
+    clock = _Clock()
+    collector = await _collector(fakes, store, monkeypatch, clock=clock)
+
+    async def round_(seconds: float = 5.0, cpu_s: float = 0.0) -> None:
+        cpu[1001] += cpu_s
+        clock.now += seconds
+        await asyncio.wait_for(collector.collect_once(), _GUARD_S)
+
+    try:
+        await round_()
+        await round_()
+        assert len(asks) == 1
+        await round_(cpu_s=2.0)  # 400 ms/s: the guest ran something
+        assert len(asks) == 2
+        # after repeats, the answer's cpuUsedPct is the VMM's over the round
+        await round_()
+        await round_(cpu_s=1.0)
+        assert len(asks) == 3
+        assert collector.samples("idle", None, None)[-1]["cpuUsedPct"] == 10.0
+        await round_(seconds=metrics_module.REFRESH_S)
+        assert len(asks) == 4
+        await round_()
+        assert len(asks) == 4
+    finally:
+        await collector.close()
+
+
+async def test_a_guest_whose_answer_failed_is_asked_again(
+        world, monkeypatch: pytest.MonkeyPatch) -> None:
+    fakes, store = world
+    asks: list[str] = []
+    answers = [_json(json.dumps(GOOD).encode()), BAD_ANSWERS["a list"]]
+
+    async def answer(writer: asyncio.StreamWriter) -> None:
+        await answers[min(len(asks), len(answers)) - 1](writer)
+
+    _running(store, "sb", await fakes.add(_counted(answer, asks, "sb")), vm_pid=1001)
+    monkeypatch.setattr(metrics_module, "vmm_cpu_s", lambda pid: 0.0)
+    clock = _Clock()
+    collector = await _collector(fakes, store, monkeypatch, clock=clock)
+    try:
+        for _ in range(2):
+            clock.now += 5.0
+            await asyncio.wait_for(collector.collect_once(), _GUARD_S)
+        assert len(asks) == 1
+        clock.now += metrics_module.REFRESH_S  # asked: a bad answer this time
+        await asyncio.wait_for(collector.collect_once(), _GUARD_S)
+        clock.now += 5.0  # asked again, not repeated from the answer before the bad one
+        await asyncio.wait_for(collector.collect_once(), _GUARD_S)
+        assert len(asks) == 3
+    finally:
+        await collector.close()
