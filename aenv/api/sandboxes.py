@@ -10,6 +10,7 @@ from fastapi import APIRouter, Body, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from ..orchestrator.service import DEFAULT_TIMEOUT_S, CreateOptions, Orchestrator
+from ..orchestrator.timing import server_timing
 from . import listing, network, views
 from .errors import ApiError
 from .models import (
@@ -187,8 +188,17 @@ async def resume(request: Request, sandbox_id: str,
 async def pause(request: Request, sandbox_id: str,
                 body: Annotated[PauseRequest | None, Body()] = None) -> Response:
     memory = not (body and body.memory is False)
-    await orch(request).pause(sandbox_id, memory=memory)
-    return Response(status_code=204)
+    timings: dict[str, float] = {}
+    called = time.perf_counter()
+    await orch(request).pause(sandbox_id, memory=memory, timings=timings)
+    returned = time.perf_counter()
+    # Server-Timing as a snapshot's answer has it (snapshots.py): ``api``, the
+    # orchestrator's phases (``Orchestrator.pause``), the request as a total.
+    received = request.scope.get("aenv.received", called)
+    now = time.perf_counter()
+    timings = {"api": now - received - (returned - called), **timings}
+    return Response(status_code=204, headers={
+        "Server-Timing": server_timing(timings, {"total": now - received})})
 
 
 @router.get("/sandboxes/{sandbox_id}/metrics")

@@ -72,13 +72,16 @@ class Machines(Protocol):
         """After a server restart: adopt the VM still running for ``rec``. False when it
         is gone or unusable (the caller then stops it and reports it lost)."""
 
-    async def pause(self, rec: SandboxRecord, memory: bool, ref: str) -> None:
+    async def pause(self, rec: SandboxRecord, memory: bool,
+                    ref: str) -> dict[str, float] | None:
         """Save the sandbox as snapshot ``ref`` — memory, devices and disk, or with
         ``memory`` false the disk alone (resuming it boots) — then stop its VM and release
         its slot. Resuming is ``start`` with a template whose image is ``ref``. On failure
         either ``ref`` is complete (only the VM's end failed) or it does not exist and the
         VM runs on as before — unless the VM itself died; the disk is never lost.
-        ``ref`` is durable (fsynced) once complete."""
+        ``ref`` is durable (fsynced) once complete. Returns where the time went (seconds
+        per phase, accounting for all of the call), or None when the machines do not
+        say."""
 
     async def snapshot(self, rec: SandboxRecord, ref: str) -> dict[str, float] | None:
         """Capture the running sandbox as ``ref`` (vCPUs frozen only for the capture; it

@@ -669,16 +669,22 @@ class NodeMachines:
                                     disk_layers.layer_id(ref))
         await asyncio.to_thread(wd.remove, Path(rec.vm_dir or running.vm.workdir))
 
-    async def pause(self, rec: SandboxRecord, memory: bool, ref: str) -> None:
+    async def pause(self, rec: SandboxRecord, memory: bool, ref: str) -> dict[str, float]:
         """Pause to ``ref``: a VM snapshot (``memory``) or the disk alone; either way the VMM
-        ends and the slot is released."""
+        ends and the slot is released. Returns the phases, which account for all of the
+        call: ``lock``, the capture's steps (finer phases within them) and ``vm_call``, or
+        ``disk_pause``; ``log``; then ``finishing_queued`` (a deferred memory write), or
+        ``compaction_queue``, ``slot_release``, ``workdir_remove``, ``prestart_queue``,
+        ``publish``."""
         running = self._running.get(rec.id)
         if running is None:
             raise InvalidRequest(f"sandbox {rec.id} has no VM on this node")
         directory = self._snapshot_dir(ref)
+        timer = PhaseTimer()
         if memory:
             deferred: DeferredMemory | None = None
             async with self._snapshot_lock:
+                timer.mark("lock")
                 # Not with a shared store: the pause is offered to other nodes (handover)
                 # as soon as it answers, so it must be published whole by then. Not for a
                 # template's or a build's VM: what makes a template waits for it anyway.
@@ -688,26 +694,37 @@ class NodeMachines:
                         directory, {"slot": running.slot.index, "sandbox": rec.id})
                 else:
                     info = await running.vm.snapshot(directory, stop=True)
+                timer.add(info.phases)
+                timer.mark("vm_call", excluding=info.total_s)
             log.info("sandbox %s: paused to %s (freeze %.0f ms, total %.0f ms, %d KiB "
                      "memory, %d layers%s)", rec.id, directory.name, info.freeze_s * 1000,
                      info.total_s * 1000, info.memory_bytes // 1024, info.memory_layers,
                      ", memory written next" if deferred else "",
                      extra={"sandbox_id": rec.id, "op": "pause", "duration": info.total_s})
+            timer.mark("log")
             if deferred is not None:
                 self._running.pop(rec.id, None)
                 self._start_finishing(deferred, running.slot,
                                       Path(rec.vm_dir or running.vm.workdir), rec.id)
-                return
+                timer.mark("finishing_queued")
+                return timer.phases
             self.compactor.schedule(directory)
+            timer.mark("compaction_queue")
         else:
             await self._pause_disk(rec, running, directory)
+            timer.mark("disk_pause")
         self._running.pop(rec.id, None)
         await asyncio.to_thread(self._release, running.slot)
+        timer.mark("slot_release")
         await asyncio.to_thread(wd.remove, Path(rec.vm_dir or running.vm.workdir))
+        timer.mark("workdir_remove")
         if memory and self.vmm_pool is not None:
             # A resume soon after (an agent's pause/resume cycle) then only loads state.
             self.vmm_pool.want_once(directory, RESUME_PRESTART_S)
+        timer.mark("prestart_queue")
         await self.publish(directory.name)
+        timer.mark("publish")
+        return timer.phases
 
     def _start_finishing(self, deferred: DeferredMemory, slot: NetworkSlot | None,
                          workdir: Path, sandbox: str) -> None:
@@ -842,8 +859,10 @@ class NodeMachines:
         return running is not None and running.vm.is_alive()
 
     async def snapshot(self, rec: SandboxRecord, ref: str) -> dict[str, float]:
-        """Phases: ``lock`` (waiting for other captures and collection), the capture's
-        steps (``aenv.runtime.snapshot_recipe``, with their finer phases), ``publish``."""
+        """Phases, which account for all of the call: ``lock`` (waiting for other
+        captures and collection), the capture's steps (``aenv.runtime.snapshot_recipe``,
+        with their finer phases within them), ``vm_call`` (the driver's call beyond its
+        steps), ``compaction_queue``, ``log``, ``publish``."""
         running = self._running.get(rec.id)
         if running is None:
             raise InvalidRequest(f"sandbox {rec.id} has no VM on this node")
@@ -851,15 +870,16 @@ class NodeMachines:
         async with self._snapshot_lock:
             timer.mark("lock")
             info = await running.vm.snapshot(self._snapshot_dir(ref), stop=False)
-            timer.skip()
-        timer.add(info.phases)
+            timer.add(info.phases)
+            timer.mark("vm_call", excluding=info.total_s)
         self.compactor.schedule(info.directory)
+        timer.mark("compaction_queue")
         log.info("sandbox %s: snapshot %s (freeze %.0f ms, total %.0f ms)", rec.id,
                  ref, info.freeze_s * 1000, info.total_s * 1000,
                  extra={"sandbox_id": rec.id, "op": "snapshot", "duration": info.total_s})
+        timer.mark("log")
         await self.publish(self._snapshot_dir(ref).name)
-        if self.shared is not None:
-            timer.mark("publish")
+        timer.mark("publish")
         return timer.phases
 
     # -- the shared store (a cluster's) ---------------------------------------------------

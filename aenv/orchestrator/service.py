@@ -303,36 +303,51 @@ class Orchestrator:
     async def snapshot(self, sandbox_id: str, name: str | None = None,
                        timings: dict[str, float] | None = None) -> TemplateRecord:
         """A persistent snapshot of a running sandbox, kept as a template of kind
-        ``snapshot``; the source keeps running. ``timings`` receives where the capture's
-        time went (the machines' phases, when they report them) and ``total``."""
+        ``snapshot``; the source keeps running. ``timings`` receives where the request's
+        time went here, phase by phase in the order they ran: ``checks`` (the name),
+        ``sandbox_lock`` (waiting for another operation on the sandbox), ``store_begin``
+        (its record to ``snapshotting``), the machines' phases (``NodeMachines.snapshot``:
+        ``lock``, the capture's steps, ``compaction_queue``, ``log``, ``publish``; a
+        capture step's finer phases, ``memory_*`` and ``commit_compact``, lie within
+        ``save_memory`` and ``commit``), ``store_end`` (its record back to ``running``),
+        ``store_insert`` (the snapshot's record) and ``share`` (the cluster's shelf)."""
+        timer = PhaseTimer()
         taken = self.templates.get(name) if name else None
         if taken is not None:
             # Refused before the capture, which would otherwise be left for collection.
             raise Conflict(f"name '{name}' is already used by template {taken.id}")
         ref = new_snapshot_ref()
         with self.pins.hold(ref):
+            timer.mark("checks")
             async with self._lock(sandbox_id):
+                timer.mark("sandbox_lock")
                 rec = self.get(sandbox_id)
-                phases = await self._capture(rec, SandboxState.SNAPSHOTTING, ref)
-            if timings is not None:
-                timings.update(phases)
-            return self._insert_snapshot(rec, ref, name)
+                await self._capture(rec, SandboxState.SNAPSHOTTING, ref, timer)
+            made = self._insert_snapshot(rec, ref, name, timer)
+        if timings is not None:
+            timings.update(timer.phases)
+        return made
 
-    def _insert_snapshot(self, rec: SandboxRecord, ref: str, name: str | None
-                         ) -> TemplateRecord:
+    def _insert_snapshot(self, rec: SandboxRecord, ref: str, name: str | None,
+                         timer: PhaseTimer | None = None) -> TemplateRecord:
         now = self.clock()
         snap_id = new_id()
         snap = persistent_snapshot(snap_id, rec, self.templates.get(rec.template_id), ref,
                                    name=name, now=now)
         self.templates.insert(snap)
         made = self.templates.get(snap_id) or snap
+        if timer is not None:
+            timer.mark("store_insert")
         self._share_template(made)
+        if timer is not None:
+            timer.mark("share")
         return made
 
-    async def _capture(self, rec: SandboxRecord, state: SandboxState,
-                       ref: str) -> dict[str, float]:
+    async def _capture(self, rec: SandboxRecord, state: SandboxState, ref: str,
+                       timer: PhaseTimer | None = None) -> None:
         """Freeze-capture-thaw ``rec`` (its lock held) through ``state`` into ``ref``
-        (pinned by the caller); returns the machines' phases and ``total``."""
+        (pinned by the caller). ``timer``, when given, gets ``store_begin``, the machines'
+        phases and ``store_end`` (see ``snapshot``)."""
         if rec.state != SandboxState.RUNNING:
             raise Conflict(f"sandbox '{rec.id}' is {rec.state}, not running")
         if not self.machines.can_pause:
@@ -340,17 +355,26 @@ class Orchestrator:
         self.admission.check_pause(rec.memory_mb)
         if not self.sandboxes.transition(rec.id, [SandboxState.RUNNING], state):
             raise Conflict(f"sandbox '{rec.id}' changed state")
-        timer = PhaseTimer(self.clock)
+        if timer is not None:
+            timer.mark("store_begin")
+        whole = PhaseTimer(self.clock)
         try:
             phases = await self.machines.snapshot(rec, ref)
         except Exception:
             self.sandboxes.transition(rec.id, [state], SandboxState.RUNNING)
             raise
-        timer.mark("total")
-        record_phases(state, timer.phases)
+        whole.mark("total")
+        record_phases(state, whole.phases)
+        if timer is not None:
+            if phases:  # the machines account for all of their time
+                timer.skip()
+                timer.add(phases)
+            else:  # they do not say
+                timer.mark("machines")
         # The source's disk now reads through the snapshot: it keeps the snapshot alive.
         self.sandboxes.transition(rec.id, [state], SandboxState.RUNNING, restored_from=ref)
-        return {**(phases or {}), **timer.phases}
+        if timer is not None:
+            timer.mark("store_end")
 
     async def fork(self, sandbox_id: str, count: int, timeout: int | None = None,
                    timings: dict[str, float] | None = None
@@ -545,14 +569,24 @@ class Orchestrator:
             self.extend_timeout(sandbox_id, timeout)
         return self.get(sandbox_id), False
 
-    async def pause(self, sandbox_id: str, memory: bool = True) -> None:
+    async def pause(self, sandbox_id: str, memory: bool = True,
+                    timings: dict[str, float] | None = None) -> None:
+        """Pause a running sandbox. ``timings`` receives where the time went, in the order
+        it ran: ``sandbox_lock``, ``store_begin`` (its record to ``pausing``), the
+        machines' phases (``NodeMachines.pause``, or ``machines`` when they do not say),
+        ``stopped_hooks``, ``store_end`` (its record to ``paused``), ``offer`` (to the
+        cluster) and ``collect`` (garbage collection of snapshots)."""
+        timer = PhaseTimer()
         async with self._lock(sandbox_id):
+            timer.mark("sandbox_lock")
             rec = self.get(sandbox_id)
             if rec.state == SandboxState.PAUSED:
                 raise Conflict(f"sandbox '{sandbox_id}' is already paused")
             if rec.state != SandboxState.RUNNING:
                 raise Conflict(f"sandbox '{sandbox_id}' is {rec.state}")
-            await self._pause_locked(rec, memory)
+            await self._pause_locked(rec, memory, timer)
+        if timings is not None:
+            timings.update(timer.phases)
 
     async def resume(self, sandbox_id: str, timeout: int | None,
                      timings: dict[str, float] | None = None) -> SandboxRecord:
@@ -563,7 +597,9 @@ class Orchestrator:
             await self._resume_locked(rec, timeout, timings, claimed)
         return self.get(sandbox_id)
 
-    async def _pause_locked(self, rec: SandboxRecord, memory: bool) -> None:
+    async def _pause_locked(self, rec: SandboxRecord, memory: bool,
+                            phases: PhaseTimer | None = None) -> None:
+        """``phases``, when given, gets the phases ``pause`` names."""
         if not self.machines.can_pause:
             raise Unsupported("this node cannot pause sandboxes")
         if memory:  # a filesystem pause links the disk: it writes next to nothing
@@ -574,9 +610,12 @@ class Orchestrator:
         if not self.sandboxes.transition(rec.id, [SandboxState.RUNNING], SandboxState.PAUSING,
                                          snapshot_id=ref):
             raise Conflict(f"sandbox '{rec.id}' changed state")
+        phases = phases if phases is not None else PhaseTimer()
+        phases.mark("store_begin")
         timer = PhaseTimer(self.clock)
+        node: dict[str, float] | None = None
         try:
-            await self.machines.pause(rec, memory, ref)
+            node = await self.machines.pause(rec, memory, ref)
         except Exception as e:
             if not self.machines.has_snapshot(ref):
                 self._pause_failed(rec, e)
@@ -586,13 +625,22 @@ class Orchestrator:
             await self.machines.stop(rec)
         timer.mark("total")
         record_phases("pause", timer.phases)
+        if node:  # the machines account for all of their time
+            phases.skip()
+            phases.add(node)
+        else:  # they do not say
+            phases.mark("machines")
         await self._stopped(rec.id)
+        phases.mark("stopped_hooks")
         self.sandboxes.transition(
             rec.id, [SandboxState.PAUSING], SandboxState.PAUSED, restored_from=None,
             pause_mode="full" if memory else "filesystem", vm_pid=None, slot=None, host_ip=None,
         )
+        phases.mark("store_end")
         await self._offer(rec.id)
+        phases.mark("offer")
         await self.collect_garbage()
+        phases.mark("collect")
 
     def _pause_failed(self, rec: SandboxRecord, error: Exception) -> None:
         """No snapshot was committed: the sandbox runs on when its VM is still alive (the

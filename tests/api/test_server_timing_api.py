@@ -1,0 +1,89 @@
+"""``Server-Timing`` of ``POST /sandboxes/{id}/snapshots`` and ``POST /sandboxes/{id}/pause``
+covers the whole request (issue 21 item 5): ``api`` (outside the orchestrator), the
+orchestrator's phases, the machines' own phases when they report them, and the request
+as a total; the phases that do not lie within another add up to that total."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from aenv.orchestrator.timing import parse_server_timing
+from tests.api.api_world import world_client
+
+# Finer phases a capture step reports within itself (``Orchestrator.snapshot``).
+NESTED = {"memory_scan", "memory_prepare", "memory_copy", "commit_compact"}
+
+
+@pytest.fixture
+async def api(tmp_path):
+    async with world_client(tmp_path / "build-files") as (world, c):
+        yield world, c
+
+
+async def _sandbox(c: httpx.AsyncClient) -> str:
+    r = await c.post("/v2/sandboxes", json={"templateID": "base"})
+    assert r.status_code == 201, r.text
+    return str(r.json()["sandboxID"])
+
+
+def _timing(r: httpx.Response) -> tuple[dict[str, float], float]:
+    header = r.headers["server-timing"]
+    totals = parse_server_timing(header, totals=True)
+    assert set(totals) == {"total"}, header
+    return parse_server_timing(header), totals["total"]
+
+
+def _adds_up(phases: dict[str, float], total: float) -> None:
+    outer = sum(v for k, v in phases.items() if k not in NESTED)
+    assert abs(outer - total) < 1.0, (phases, total)  # ms; only the skips' microseconds
+
+
+async def test_a_snapshot_answer_times_the_whole_request(api) -> None:
+    _, c = api
+    sid = await _sandbox(c)
+    r = await c.post(f"/sandboxes/{sid}/snapshots", json={})
+    assert r.status_code == 201, r.text
+    phases, total = _timing(r)
+    assert list(phases) == ["api", "checks", "sandbox_lock", "store_begin", "machines",
+                            "store_end", "store_insert", "share"], phases
+    _adds_up(phases, total)
+
+
+async def test_a_snapshot_answer_names_the_machines_phases_instead_of_their_whole(api) -> None:
+    world, c = api
+    sid = await _sandbox(c)
+
+    async def snapshot(rec, ref) -> dict[str, float]:
+        await asyncio.sleep(0.05)
+        return {"lock": 0.001, "save_memory": 0.045, "memory_copy": 0.04, "publish": 0.004}
+
+    world.machines.snapshot = snapshot
+    r = await c.post(f"/sandboxes/{sid}/snapshots", json={})
+    assert r.status_code == 201, r.text
+    phases, total = _timing(r)
+    assert "machines" not in phases and phases["memory_copy"] == 40.0, phases
+    assert total >= 50.0
+    _adds_up(phases, total)
+
+
+async def test_a_pause_answer_times_the_whole_request(api) -> None:
+    world, c = api
+    sid = await _sandbox(c)
+
+    async def pause(rec, memory, ref) -> dict[str, float]:
+        await asyncio.sleep(0.03)
+        world.machines.saved.add(ref)
+        world.machines.alive.discard(rec.id)
+        return {"lock": 0.0, "freeze": 0.01, "publish": 0.02}
+
+    world.machines.pause = pause
+    r = await c.post(f"/sandboxes/{sid}/pause")
+    assert r.status_code == 204, r.text
+    phases, total = _timing(r)
+    assert list(phases) == ["api", "sandbox_lock", "store_begin", "lock", "freeze",
+                            "publish", "stopped_hooks", "store_end", "offer", "collect"], phases
+    assert total >= 30.0
+    _adds_up(phases, total)
