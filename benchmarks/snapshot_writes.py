@@ -25,7 +25,10 @@ and pauses it into a template snapshot, then on VMs restored from it, as every s
   ``POST /sandboxes/{id}/snapshots`` is timed by the client ``--snapshots`` times, one second
   apart; the node's log line for each capture gives the runtime's share (``node_total_ms``),
   the rest (``outside_capture_ms``) is the API, the orchestrator and the store;
-  ``server_timing_ms``: the phases the answer's ``Server-Timing`` names. With
+  ``server_timing_ms``: the phases the answer's ``Server-Timing`` names (``api``, the
+  orchestrator's, the node's, the capture's: see ``Orchestrator.snapshot``),
+  ``server_timing_total_ms`` its total (the whole request) and
+  ``client_beyond_server_total_ms`` the client's wall beyond it (HTTP, client). With
   ``--baseline-tree DIR`` (e.g. ``git archive <old commit> | tar -x -C DIR``) a second
   server runs DIR's aenv at the same time (net + 1) and the two take turns, so the
   comparison shares the host's load: ``via_api.this_tree`` and ``via_api.baseline``.
@@ -136,6 +139,7 @@ class _Side:
         self.sid = ""
         self.walls: list[float] = []
         self.timings: list[dict[str, float]] = []
+        self.totals: list[float] = []  # the answer's Server-Timing total (ms)
 
     def begin(self) -> None:
         log(f"starting aenv server (prefix {self.srv.settings.name_prefix}"
@@ -154,6 +158,9 @@ class _Side:
             self.walls.append((time.perf_counter() - t0) * 1000)
         if "Server-Timing" in r.headers:  # the server's phases (ms), when it says
             self.timings.append(parse_server_timing(r.headers["Server-Timing"]))
+            total = parse_server_timing(r.headers["Server-Timing"], totals=True).get("total")
+            if total is not None:
+                self.totals.append(total)
         return self.walls[-1]
 
     def end(self) -> dict[str, Any]:
@@ -173,6 +180,13 @@ class _Side:
             "node_freeze_ms": summary([float(f) for _, (f, _) in paired]),
             "outside_capture_ms": summary([w - t for w, (_, t) in paired]),
             "server_timing_ms": phase_summaries(self.timings) if self.timings else None,
+            # The Server-Timing total: since 1d7d8fc the whole request as the server saw
+            # it (before, the node's capture); the client's wall beyond it is the HTTP
+            # exchange and the client itself.
+            "server_timing_total_ms": summary(self.totals) if self.totals else None,
+            "client_beyond_server_total_ms": summary(
+                [w - t for w, t in zip(walls, self.totals, strict=False)])
+            if self.totals else None,
         }
 
 
