@@ -13,7 +13,8 @@ a guest process fills ``--dirty-mib`` MiB with a non-zero byte; ``POST /sandboxe
 timed by the client (``pause_ms``); at once ``POST /sandboxes/{id}/connect`` (the resume the
 SDK's ``connect`` makes) timed (``resume_right_after_ms``: for the background side it waits
 for the memory write first); then the sandbox is killed. Output: one JSON object, every
-summary with its n (p99 null below 100 samples).
+summary with its n (p99 null below 100 samples); ``pause_phases_ms``: the phases the pause's
+``Server-Timing`` names.
 """
 
 from __future__ import annotations
@@ -25,13 +26,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from aenv.config import Settings
-from benchmarks._common import emit, expect_status, summary
+from aenv.orchestrator.timing import parse_server_timing
+from benchmarks._common import emit, expect_status, phase_summaries, summary
 from benchmarks._server import VMServer, log
 
 
@@ -55,18 +58,20 @@ def _dirty(srv: VMServer, sid: str, token: str | None, mib: int) -> None:
     asyncio.run(go())
 
 
-def one(srv: VMServer, api: httpx.Client, mib: int) -> dict[str, float]:
+def one(srv: VMServer, api: httpx.Client, mib: int) -> dict[str, Any]:
     r = expect_status(api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 600}),
                       201)
     sid, token = r.json()["sandboxID"], r.json().get("envdAccessToken")
     _dirty(srv, sid, token, mib)
     t0 = time.perf_counter()
-    expect_status(api.post(f"/sandboxes/{sid}/pause"), 204)
+    paused = expect_status(api.post(f"/sandboxes/{sid}/pause"), 204)
     t1 = time.perf_counter()
     expect_status(api.post(f"/sandboxes/{sid}/connect", json={"timeout": 600}), 200, 201)
     t2 = time.perf_counter()
     expect_status(api.delete(f"/sandboxes/{sid}"), 204)
-    return {"pause_ms": (t1 - t0) * 1000, "resume_right_after_ms": (t2 - t1) * 1000}
+    return {"pause_ms": (t1 - t0) * 1000, "resume_right_after_ms": (t2 - t1) * 1000,
+            # The pause's own phases (ms), when the server says (since 1d7d8fc).
+            "pause_phases": parse_server_timing(paused.headers.get("server-timing", ""))}
 
 
 def main() -> None:
@@ -86,7 +91,7 @@ def main() -> None:
                                args.net + 1, cache, letters="pi",
                                env={"AENV_PAUSE_MEMORY_IN_BACKGROUND": "0"}),
     }
-    rows: dict[str, list[dict[str, float]]] = {k: [] for k in sides}
+    rows: dict[str, list[dict[str, Any]]] = {k: [] for k in sides}
     t0 = time.monotonic()
     try:
         for srv in sides.values():
@@ -106,7 +111,9 @@ def main() -> None:
             srv.shut_down()
     emit({"benchmark": "pause_dirty_api", "dirty_mib": args.dirty_mib,
           "wall_s": round(time.monotonic() - t0, 1),
-          **{k: {m: summary([r[m] for r in rs]) for m in ("pause_ms", "resume_right_after_ms")}
+          **{k: {**{m: summary([r[m] for r in rs])
+                    for m in ("pause_ms", "resume_right_after_ms")},
+                 "pause_phases_ms": phase_summaries([r["pause_phases"] for r in rs])}
              for k, rs in rows.items()},
           "goals": {"pause_after_dirtying_200mib_p50_ms": 200}})
 
