@@ -430,6 +430,11 @@ class Settings(_Declared):
         doc="a pause answers once device state and disk are saved; guest memory is "
             "written from the frozen VMM after the answer (QEMU, restored VMs); `0`: "
             "within the request")
+    resume_in_place: bool = setting(
+        "AENV_RESUME_IN_PLACE", True,
+        doc="a resume that arrives while its pause's memory is still being written "
+            "continues the frozen VMM (same slot and drives) and abandons that snapshot; "
+            "`0`: it waits for the write, then restores")
 
     # -- host objects
     # One /32 per network slot.

@@ -12,13 +12,17 @@ A memory pause of a restored VM answers before its memory is written
 (``Settings.pause_memory_in_background``, not with a shared store): ``VM.pause_deferred``
 commits the snapshot with a ``memory.pending`` marker, and ``_finish_pause`` writes the
 memory from the frozen VMM in the background, then ends it and releases its slot. A resume
-of that snapshot waits for the write, then restores as usual (continuing the frozen VMM in
-place would save the rest of the copy and the restore, but needs a resume without a
-restore in the orchestrator and a way to drop the half-made snapshot: not done). A kill
-meanwhile lets the write finish; collection keeps the snapshot until then. After a
-restart ``prepare`` keeps such a VMM and its slot and writes the memory from it
-(``_adopt_pending``); when the VMM did not survive, the marker stays and a resume
-is refused with that reason (``_memory_written``), never made from a half-written layer.
+that arrives meanwhile (``Settings.resume_in_place``) continues that VMM in place
+(``_resume_in_place``): the write is abandoned (``DeferredMemory.abandon``: the marker
+becomes ``memory.abandoned``, the drives are the VM's again), QMP ``cont``, envd's
+``/init``; same slot, address and working directory; the abandoned snapshot is collected
+once the record no longer names it. A resume that finds the write already committing
+waits for it, then restores as usual. A kill meanwhile lets the write finish; collection
+keeps the snapshot until then. After a restart ``prepare`` keeps such a VMM and its slot
+and writes the memory from it (``_adopt_pending``); when the VMM did not survive, the
+marker stays and a resume is refused with that reason (``_memory_written``), never made
+from a half-written layer. An abandoned marker's VMM and slot are kept too, and a
+``resuming`` record is finished in place (``recover_in_place``) or lost with its VMM.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from ..runtime import (
     Confinement,
     DeferredMemory,
     Drive,
+    MemoryWriteAbandoned,
     RestoreOverrides,
     VMError,
     VMSpec,
@@ -177,6 +182,9 @@ class NodeMachines:
         # snapshot name: a resume waits for its own, collection keeps theirs.
         self._pending: dict[str, asyncio.Task[None]] = {}
         self._pending_workdirs: dict[str, Path] = {}  # the VMM's of each, by the same name
+        # What a resume in place takes over from each (``_resume_in_place``): the write
+        # (to abandon), and the slot its VMM still holds.
+        self._deferred: dict[str, tuple[DeferredMemory, NetworkSlot | None]] = {}
         self._pause_writes = asyncio.Semaphore(PAUSE_WRITES)
         self._console_task: asyncio.Task[None] | None = None
         # In a cluster with a shared store: pauses and snapshots are published there, and
@@ -204,6 +212,13 @@ class NodeMachines:
         keep_vms = keep_vms | {p.vm_dir.name for _, p in pending}
         keep_slots = keep_slots | {int(p.note["slot"]) for _, p in pending
                                    if isinstance(p.note.get("slot"), int)}
+        # Resumes in place a stopped server had begun: while a live record names the
+        # VMM's directory (and it exists), its slot is kept for ``recover_in_place`` (or
+        # for ``reattach``, once the record says running).
+        keep_slots = keep_slots | {
+            int(p.note["slot"]) for _, p in await asyncio.to_thread(self._abandoned_pauses)
+            if isinstance(p.note.get("slot"), int) and p.vm_dir.name in keep_vms
+            and p.vm_dir.is_dir()}
         # A crashed server's pooled VMMs still wait in their slots: end them first.
         killed = await asyncio.to_thread(VMMPool.sweep, self.settings.vms_dir, keep_vms)
         if killed:
@@ -389,6 +404,10 @@ class NodeMachines:
             with self.pool.starting():
                 if image.is_snapshot:
                     directory = self._snapshot_dir(image)
+                    if template.build_id == "resume" and self.settings.resume_in_place:
+                        placement = await self._resume_in_place(rec, template, directory)
+                        if placement is not None:
+                            return placement
                     await self._memory_written(directory)
                     if not snapshot_store.is_complete(directory):
                         await self.fetch(image.id)
@@ -730,6 +749,7 @@ class NodeMachines:
                          workdir: Path, sandbox: str) -> None:
         name = deferred.directory.name
         self._pending_workdirs[name] = workdir
+        self._deferred[name] = (deferred, slot)
         self._pending[name] = asyncio.create_task(
             self._finish_pause(deferred, slot, workdir, sandbox), name=f"aenv-pause-{name}")
 
@@ -753,6 +773,8 @@ class NodeMachines:
                                                    for k, v in phases.items()),
                          extra={"sandbox_id": sandbox, "op": "pause_memory",
                                 "duration": sum(phases.values())})
+            except MemoryWriteAbandoned:
+                return  # a resume in place runs that VMM in that slot now
             except Exception as e:
                 log.error("sandbox %s: the memory of its pause to %s was not written, it "
                           "cannot be resumed: %s", sandbox, directory.name, e,
@@ -762,7 +784,9 @@ class NodeMachines:
             await asyncio.to_thread(wd.remove, workdir)
         finally:
             self._pending.pop(directory.name, None)
-            self._pending_workdirs.pop(directory.name, None)
+            if self._deferred.get(directory.name, (None,))[0] is deferred:
+                self._deferred.pop(directory.name, None)
+                self._pending_workdirs.pop(directory.name, None)
         if written:
             self.compactor.schedule(directory)
             if self.vmm_pool is not None:
@@ -774,34 +798,145 @@ class NodeMachines:
         being written here; ``NotRestorable`` when its marker stays (the write failed, or
         the server stopped during it and the frozen VMM did not survive)."""
         task = self._pending.get(directory.name)
-        if task is not None:
+        if task is not None and not snapshot_files.memory_abandoned(directory):
             await asyncio.shield(task)
         if snapshot_files.memory_pending(directory):
             raise NotRestorable(
                 f"snapshot {directory.name}: its memory layer is incomplete (the pause's "
                 "memory was never finished: the VM that held it is gone); it cannot be "
                 "resumed")
+        if snapshot_files.memory_abandoned(directory):
+            raise NotRestorable(
+                f"snapshot {directory.name}: its memory layer is incomplete (a resume "
+                "continued its VM in place, then failed and ended it); it cannot be "
+                "resumed")
+
+    async def _resume_in_place(self, rec: SandboxRecord, template: TemplateRecord,
+                               directory: Path) -> Placement | None:
+        """A resume of ``directory`` while its pause's memory is still being written here:
+        the write is abandoned (``DeferredMemory.abandon``: stopped within a chunk, the
+        marker renamed ``memory.abandoned``, the drives the VM's own again), and the
+        frozen VMM continues in the slot and working directory it never left; then what
+        every restore ends with (``_restored``: envd's ``/init`` with clock, entropy,
+        token, env vars). None when there is no such write, its VMM has no slot, or the
+        write is already committing: the caller then waits for it and restores.
+
+        The record's ``restored_from`` names the snapshot the VM derives from (the
+        abandoned snapshot's parent), which collection then keeps; the abandoned one goes
+        once the record no longer names it. A failure after the abandon ends the VM (the
+        snapshot cannot be resumed any more: ``_memory_written`` says why). Phases:
+        ``abandon``, ``cont``, ``envd_init``."""
+        deferred, slot = self._deferred.get(directory.name, (None, None))
+        if deferred is None or slot is None:
+            return None
+        workdir = self._pending_workdirs.get(directory.name, deferred.vm.workdir)
+        timer = PhaseTimer()
+        vm = deferred.vm
+        try:
+            if not await deferred.abandon():
+                return None  # the write commits now; it is waited for
+        except BaseException:
+            self._deferred.pop(directory.name, None)
+            self._pending_workdirs.pop(directory.name, None)
+            await self._abandon(vm, workdir, slot)
+            raise
+        self._deferred.pop(directory.name, None)
+        self._pending_workdirs.pop(directory.name, None)
+        timer.mark("abandon")
+        try:
+            parent = await asyncio.to_thread(self._parent_ref, directory)
+            await vm.resume()
+        except BaseException:
+            await self._abandon(vm, workdir, slot)
+            raise
+        timer.mark("cont")
+        placement = await self._restored(
+            rec, template, vm, slot, workdir, timer,
+            f"continued in place in slot {slot.index} (its pause to {directory.name} "
+            "abandoned before its memory was written)")
+        return dataclasses.replace(placement, restored_from=parent)
+
+    def _parent_ref(self, directory: Path) -> str | None:
+        """The reference of the snapshot ``directory`` derives from (a VM resumed in place
+        runs on that snapshot's files, as before its pause)."""
+        parent = snapshot_files.read_manifest(directory).parent
+        return str(ImageRef.snapshot(parent.name)) if parent is not None else None
+
+    async def recover_in_place(self, rec: SandboxRecord,
+                               template: TemplateRecord) -> Placement | None:
+        """After a restart, for a sandbox left ``resuming``: when its pause snapshot was
+        abandoned for a resume in place (``memory.abandoned``), that resume is finished —
+        the VMM ``prepare`` kept is adopted in its slot, continued (if the crash came
+        before the ``cont``) and given envd's ``/init`` again. None when the snapshot was
+        not abandoned; ``NotRestorable`` when it was but the VM did not survive (its memory
+        existed nowhere else: the sandbox is lost)."""
+        if not rec.snapshot_id:
+            return None
+        try:
+            directory = self._snapshot_dir(rec.snapshot_id)
+        except snapshot_store.SnapshotMissing:
+            return None
+        p = await asyncio.to_thread(snapshot_files.read_pending, directory,
+                                    snapshot_files.MEMORY_ABANDONED)
+        if p is None:
+            return None
+        gone = (f"sandbox {rec.id}: the server stopped during its resume in place and its "
+                "VM did not survive")
+        if not isinstance(p.note.get("slot"), int):
+            raise NotRestorable(f"{gone} (no slot recorded)")
+        try:
+            slot = await asyncio.to_thread(self.pool.adopt, int(p.note["slot"]),
+                                           egress_policy(rec))
+        except Exception as e:
+            raise NotRestorable(f"{gone} (its slot is gone: {e})") from e
+        try:
+            vm = await self.runtime.attach(p.vm_dir)
+        except AttachError as e:
+            await asyncio.to_thread(self._release, slot)
+            raise NotRestorable(f"{gone} ({e})") from e
+        timer = PhaseTimer()
+        try:
+            # The abandon's steps once more (a crash may have cut them after the rename).
+            await vm.deferred_memory(directory).abandon()
+            parent = await asyncio.to_thread(self._parent_ref, directory)
+            await vm.resume()
+        except Exception as e:
+            await self._abandon(vm, p.vm_dir, slot)
+            raise NotRestorable(f"{gone} ({e})") from e
+        timer.mark("cont")
+        try:
+            placement = await self._restored(
+                rec, template, vm, slot, p.vm_dir, timer,
+                f"resume in place finished after a restart, slot {slot.index}")
+        except Exception as e:
+            raise NotRestorable(f"{gone} (envd: {e})") from e
+        return dataclasses.replace(placement, restored_from=parent)
 
     def _writing_from(self, workdir: Path) -> bool:
         """Whether a pause still writes its memory from the VMM of ``workdir`` (its task
         removes that directory when done)."""
         return workdir in self._pending_workdirs.values()
 
-    def _pending_pauses(self) -> list[tuple[Path, snapshot_files.PendingMemory]]:
+    def _pending_pauses(self, name: str = snapshot_files.MEMORY_PENDING
+                        ) -> list[tuple[Path, snapshot_files.PendingMemory]]:
         """Snapshots whose pause's memory a stopped server had not written (their marker).
         Not a staging directory's: that pause never answered, and its VM, still frozen, is
-        re-attached by the orchestrator's recovery (``reattach``)."""
+        re-attached by the orchestrator's recovery (``reattach``). ``name``: another
+        marker (``_abandoned_pauses``)."""
         root = self.settings.snapshots_dir
         out = []
-        for marker in root.glob(f"*/{snapshot_files.MEMORY_PENDING}") if root.is_dir() \
-                else ():
+        for marker in root.glob(f"*/{name}") if root.is_dir() else ():
             if marker.parent.name.startswith(".") or \
                     not snapshot_store.is_complete(marker.parent):
                 continue
-            p = snapshot_files.read_pending(marker.parent)
+            p = snapshot_files.read_pending(marker.parent, name)
             if p is not None:
                 out.append((marker.parent, p))
         return out
+
+    def _abandoned_pauses(self) -> list[tuple[Path, snapshot_files.PendingMemory]]:
+        """Pause snapshots abandoned for a resume in place (``memory.abandoned``)."""
+        return self._pending_pauses(snapshot_files.MEMORY_ABANDONED)
 
     async def _adopt_pending(self, directory: Path,
                              p: snapshot_files.PendingMemory) -> None:

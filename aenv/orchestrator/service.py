@@ -859,6 +859,8 @@ class Orchestrator:
                                           restored_from=None)
                 log.info("sandbox %s: its pause finished before the restart", rec.id)
                 continue
+            if rec.state == SandboxState.RESUMING and await self._recover_in_place(rec):
+                continue
             if rec.state in _REATTACHABLE and await self.machines.reattach(rec):
                 self.sandboxes.transition(rec.id, [rec.state], SandboxState.RUNNING,
                                           snapshot_id=None)
@@ -876,6 +878,29 @@ class Orchestrator:
                           f"VM gone after server restart (was {rec.state})")
                 log.warning("sandbox %s: lost after restart (was %s)", rec.id, rec.state)
         await self.collect_garbage()
+
+    async def _recover_in_place(self, rec: SandboxRecord) -> bool:
+        """A resume that continued its paused VM in place (``NodeMachines``'s, while the
+        pause's memory was still being written) and was cut by the restart: finished, the
+        sandbox running in the VM it never left; or lost when that VM did not survive (the
+        pause's snapshot was abandoned). False when the resume was not one of those."""
+        finish = getattr(self.machines, "recover_in_place", None)
+        if finish is None:
+            return False
+        try:
+            placement = await finish(rec, resume_source(rec, self.templates.get(rec.template_id)))
+        except NotRestorable as e:
+            await self.machines.stop(rec)
+            self._end(rec.id, SandboxState.LOST, str(e))
+            log.warning("sandbox %s: lost after restart: %s", rec.id, e)
+            return True
+        if placement is None:
+            return False
+        self.sandboxes.transition(
+            rec.id, [SandboxState.RESUMING], SandboxState.RUNNING, **_placed(placement),
+            snapshot_id=None, end_at=self.clock() + DEFAULT_TIMEOUT_S)
+        log.info("sandbox %s: its resume in place finished after the restart", rec.id)
+        return True
 
     def _end(self, sandbox_id: str, state: SandboxState, reason: str) -> None:
         """End the sandbox (``killed`` or ``lost``) from whatever state it is in."""

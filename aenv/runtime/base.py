@@ -128,6 +128,12 @@ class MachineRecordError(SnapshotError):
     (``aenv.runtime.machine_record``); nothing was started or changed."""
 
 
+class MemoryWriteAbandoned(SnapshotError):
+    """``DeferredMemory.write`` did nothing more, or stopped part-way: a resume took the
+    frozen VMM back (``DeferredMemory.abandon``). The VMM, its drives and its working
+    directory are the resumed VM's; the snapshot is abandoned."""
+
+
 class UnknownRuntimeError(VMError):
     """``get_runtime`` was asked for a driver that does not exist."""
 
@@ -282,13 +288,24 @@ class DeferredMemory(abc.ABC):
     the VMM waits, frozen, for ``write``."""
 
     directory: Path
+    vm: VM  # the frozen VM whose memory is written
 
     @abc.abstractmethod
     async def write(self) -> dict[str, float]:
         """Copy the memory layer out of the frozen VMM into ``directory``, make it durable,
         finish the manifest, remove the marker (in that order: a crash at any point leaves
         the marker until the layer is whole), then end the VMM. Returns seconds per phase.
-        Raises ``SnapshotError`` (the marker stays; the VMM is ended all the same)."""
+        Raises ``SnapshotError`` (the marker stays; the VMM is ended all the same), or
+        ``MemoryWriteAbandoned`` after ``abandon`` (the VMM is left alone)."""
+
+    async def abandon(self) -> bool:
+        """Take the frozen VM back for a resume in place, if the memory is not written
+        yet: ``write`` stops (waited for) or never starts, the marker becomes
+        ``memory.abandoned`` (durably: a restart then takes the VMM for a running
+        sandbox), and the VM's drives are its own again, so ``VM.resume`` may continue
+        it. False when too late (the write is committing; it finishes as usual) or
+        unsupported (the default)."""
+        return False
 
 
 class VM(abc.ABC):

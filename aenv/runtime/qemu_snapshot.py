@@ -47,6 +47,18 @@ compares both ways; with 200 MiB written under TCG on a loaded 2-core host the p
 answered in ~16 ms instead of ~640 ms, and the write took ~590 ms after it). A booted VM's
 pause (its own RAM file) is never deferred.
 
+A resume during that write takes the VMM back instead (``QemuDeferredMemory.abandon``, for
+``NodeMachines``' resume in place): the write checks a gate before each 8 MiB chunk and
+closes it just before the manifest is rewritten (or before a failed write ends the VMM);
+whichever side comes first has the VMM. Abandoning waits for the copy's thread, renames the
+marker ``memory.abandoned`` (fsynced: the one step after which a restart treats the VMM as
+the running sandbox's, not a pause's), removes an interrupted copy's files and gives the
+drive tops back to the VM's uid. The pause had hard-linked each top into the snapshot
+(``_take_drive``), so the continued VM writes into a file the snapshot also names: that is
+why the snapshot is abandoned, never restored, and only its name goes at collection. The
+VM's lineage never changed (a pause does not save it), so the continued VM's next snapshot
+diffs against the same parent as before the pause.
+
 Drives (qcow2): pausing moves the VM's top overlay into the snapshot (O(1)); a running
 snapshot hard-links the frozen top into the snapshot and switches the VM onto a new overlay
 (``blockdev-snapshot-sync`` onto a file created before the freeze), so the freeze holds no
@@ -102,6 +114,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -121,6 +134,7 @@ from .base import (
     Drive,
     DriveFormat,
     MachineRecordError,
+    MemoryWriteAbandoned,
     NotSupportedError,
     RestoreOverrides,
     SnapshotError,
@@ -384,9 +398,10 @@ def _pread(fd: int, length: int, offset: int) -> bytes:
 
 def _write_changed(mem: gm.ProcessMemory, writer: snap.LayerWriter,
                    runs: list[tuple[int, int]], owners: bytes | bytearray | None,
-                   ref_fds: list[int]) -> None:
+                   ref_fds: list[int], check: Callable[[], None] | None = None) -> None:
     """Write the pages of ``runs`` whose guest content differs from the stack's copy (the
-    layer named by ``owners``; ``owners`` None: write them all).
+    layer named by ``owners``; ``owners`` None: write them all). ``check`` is called
+    before each chunk (a deferred write's: it raises once the write was abandoned).
 
     Guest pages and their stack copies are read into two buffers kept from one capture to
     the next (``_take_buffers``), not into new objects per chunk, and changed runs are
@@ -397,6 +412,8 @@ def _write_changed(mem: gm.ProcessMemory, writer: snap.LayerWriter,
     view, ref_view = memoryview(data), memoryview(ref)
     try:
         for start, count in gm.split_runs(runs, _CHUNK_PAGES):
+            if check is not None:
+                check()
             mem.read_into(start, view[:count * PAGE])
             if owners is None:
                 writer.write(start, view[:count * PAGE])
@@ -477,8 +494,10 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> None:
 
 
 def _capture_private(pid: int, workdir: Path, staging: Path, parent: snap.Manifest,
-                     *, incremental: bool, max_chain: int) -> _MemoryResult:
-    """A restored VM: the pages it wrote, against its parent's layer stack."""
+                     *, incremental: bool, max_chain: int,
+                     check: Callable[[], None] | None = None) -> _MemoryResult:
+    """A restored VM: the pages it wrote, against its parent's layer stack (``check``:
+    ``_write_changed``'s)."""
     t = PhaseTimer()
     size = parent.memory_size
     npages = size // PAGE
@@ -500,7 +519,7 @@ def _capture_private(pid: int, workdir: Path, staging: Path, parent: snap.Manife
             owners = bytearray(npages) if compact else snap.owner_map(layers, npages)
         t.mark("prepare")
         with gm.ProcessMemory(pid, mapping) as mem:
-            _write_changed(mem, writer, runs, owners, ref_fds)
+            _write_changed(mem, writer, runs, owners, ref_fds, check)
         layer = writer.close()
     finally:
         for fd in ref_fds:
@@ -830,26 +849,82 @@ async def capture_deferred(vm: QemuVM, directory: Path, *, note: dict[str, Any],
     return info, QemuDeferredMemory(vm, directory, max_chain)
 
 
+class _Abandoned(Exception):
+    """Raised in a deferred write's thread once the write was abandoned."""
+
+
+class _WriteGate:
+    """Who has a deferred pause's frozen VMM: the memory write, until it commits (the
+    manifest and marker; or, failed, it ends the VMM), or a resume that abandoned it
+    first. The lock is held only to flip the flags, from either thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.abandoned = False
+        self.closed = False  # the write commits or ends the VMM: too late to abandon
+
+    def check(self) -> None:
+        if self.abandoned:
+            raise _Abandoned()
+
+    def close(self) -> bool:
+        """The write's side: False when abandoned first."""
+        with self._lock:
+            if self.abandoned:
+                return False
+            self.closed = True
+            return True
+
+    def abandon(self) -> bool:
+        """The resume's side: False when the write closed first."""
+        with self._lock:
+            if self.closed:
+                return False
+            self.abandoned = True
+            return True
+
+
 class QemuDeferredMemory(DeferredMemory):
     """The memory half of a deferred pause (``aenv.runtime.base.DeferredMemory``): the
     frozen VMM's written pages into the committed snapshot ``directory``. Phases:
     ``memory_scan``, ``memory_prepare``, ``memory_copy`` (as a capture's), ``memory_fsync``
-    and ``manifest`` (the layer made durable and named), ``vmm_stop``."""
+    and ``manifest`` (the layer made durable and named), ``vmm_stop``.
+
+    ``abandon`` (a resume in place) wins until the write closes its gate (just before the
+    manifest is rewritten, or before a failed write ends the VMM); the copy checks the
+    gate before each 8 MiB chunk, so an abandon waits for one chunk at most."""
+
+    vm: QemuVM
 
     def __init__(self, vm: QemuVM, directory: Path, max_chain: int) -> None:
         self.vm = vm
         self.directory = directory
         self.max_chain = max_chain
+        self._gate = _WriteGate()
+        self._copy: asyncio.Task[dict[str, float]] | None = None
+
+    def _abandoned(self) -> MemoryWriteAbandoned:
+        return MemoryWriteAbandoned(f"the memory write of {self.directory.name} was "
+                                    "abandoned: its VM was resumed in place",
+                                    vm_id=self.vm.vm_id)
 
     async def write(self) -> dict[str, float]:
         vm = self.vm
+        if self._gate.abandoned:
+            raise self._abandoned()
         tops = _own_tops(vm.workdir)
         error: BaseException | None = None
         phases: dict[str, float] = {}
+        self._copy = asyncio.ensure_future(asyncio.to_thread(
+            _write_pending_memory, vm.pid, vm.workdir, self.directory, self.max_chain,
+            self._gate))
         try:
-            phases = await asyncio.to_thread(_write_pending_memory, vm.pid, vm.workdir,
-                                             self.directory, self.max_chain)
+            phases = await asyncio.shield(self._copy)
+        except _Abandoned:
+            raise self._abandoned() from None
         except Exception as e:
+            if not self._gate.close():
+                raise self._abandoned() from e
             error = e
         t = PhaseTimer()
         await vm.stop()
@@ -866,6 +941,39 @@ class QemuDeferredMemory(DeferredMemory):
                         "duration": sum(phases.values())})
         return phases
 
+    async def abandon(self) -> bool:
+        """``DeferredMemory.abandon``: after the gate, the copy (if it runs) is waited for,
+        then ``_abandon_files``; the VMM stays frozen for the caller's ``resume``."""
+        if not self._gate.abandon():
+            return False
+        # (Called again for a VMM adopted after a restart that cut an abandon short: the
+        # gate is new, the files' steps are idempotent.)
+        if self._copy is not None:
+            await asyncio.wait([self._copy])
+        await asyncio.to_thread(_abandon_files, self.vm, self.directory)
+        log.info("pause %s: abandoned for a resume in place", self.directory.name,
+                 extra={"vm_id": self.vm.vm_id, "op": "resume_in_place"})
+        return True
+
+
+def _abandon_files(vm: QemuVM, directory: Path) -> None:
+    """The marker renamed (``snapshots.abandon_pending``: from here a restart takes the
+    VMM for the running sandbox), an interrupted copy's layer files removed, and the
+    drive tops given back to the VM's uid. The pause had linked each top into the
+    snapshot and given it to root (``_take_drive``): the VMM writes on through the fd it
+    has, and a later capture that reopens the file by name needs it to be the VM's. The
+    snapshot's names of those tops stay until collection removes the snapshot; nothing
+    reads them (the abandoned snapshot is never restored, compacted nor published).
+    Once more after a restart that cut it after the rename: the rest is idempotent."""
+    if snap.memory_pending(directory):
+        snap.abandon_pending(directory)
+    elif not snap.memory_abandoned(directory):
+        raise SnapshotError(f"{directory}: no pending memory to abandon", vm_id=vm.vm_id)
+    for name in (snap.MEMORY, snap.MEMORY_RUNS):
+        (directory / name).unlink(missing_ok=True)
+    for top in _own_tops(vm.workdir):
+        vm.jail.give(top)
+
 
 def _own_tops(workdir: Path) -> list[Path]:
     """The real paths of a VM's writable drive tops, as its lineage names them."""
@@ -878,14 +986,18 @@ def _own_tops(workdir: Path) -> list[Path]:
             if not d.read_only and d.id in lineage.tops]
 
 
-def _write_pending_memory(pid: int, workdir: Path, directory: Path,
-                          max_chain: int) -> dict[str, float]:
+def _write_pending_memory(pid: int, workdir: Path, directory: Path, max_chain: int,
+                          gate: _WriteGate | None = None) -> dict[str, float]:
     """The memory layer of the deferred pause ``directory`` from the frozen VMM ``pid``,
     exactly as ``save_memory`` would have written it; then, in this order, the layer's
     files fsynced, the manifest rewritten to name it (atomically, durably) and the marker
     removed. A crash before the marker's removal leaves it: a restarted server writes the
     layer again from the VMM (the leftovers of this attempt are removed first), or, with
-    the VMM gone, the snapshot stays unrestorable."""
+    the VMM gone, the snapshot stays unrestorable. ``gate``: raises ``_Abandoned`` when a
+    resume took the VMM back before the manifest was rewritten."""
+    check = gate.check if gate is not None else None
+    if check is not None:
+        check()
     pending = snap.read_pending(directory)
     if pending is None:
         raise SnapshotError(f"{directory} has no pending memory")
@@ -896,12 +1008,14 @@ def _write_pending_memory(pid: int, workdir: Path, directory: Path,
     for name in (snap.MEMORY, snap.MEMORY_RUNS):
         (directory / name).unlink(missing_ok=True)
     mem = _capture_private(pid, workdir, directory, parent,
-                           incremental=pending.incremental, max_chain=max_chain)
+                           incremental=pending.incremental, max_chain=max_chain, check=check)
     t = PhaseTimer()
     for name in (snap.MEMORY, snap.MEMORY_RUNS):
         if (directory / name).exists():
             durable.fsync_file(directory / name)
     t.mark("fsync")
+    if gate is not None and not gate.close():
+        raise _Abandoned()
     sizes = {**manifest.sizes, "memory": snap.allocated(directory / snap.MEMORY)}
     timings = {**manifest.timings, **{f"memory_{k}": v for k, v in mem.phases.items()}}
     snap.rewrite_manifest(directory, dataclasses.replace(
@@ -950,10 +1064,10 @@ def prepare_restore(snapshot_dir: Path, overrides: RestoreOverrides) -> RestoreP
     if manifest.driver != DRIVER:
         raise SnapshotError(f"{snapshot_dir} was taken by the {manifest.driver} driver",
                             vm_id=overrides.vm_id)
-    if snap.memory_pending(snapshot_dir):
+    if snap.memory_pending(snapshot_dir) or snap.memory_abandoned(snapshot_dir):
         raise SnapshotError(f"{snapshot_dir}: its memory layer is incomplete (a pause's "
-                            "memory is still being written, or was never finished)",
-                            vm_id=overrides.vm_id)
+                            "memory is still being written, was never finished, or was "
+                            "abandoned for a resume in place)", vm_id=overrides.vm_id)
     m = QemuMachine.from_json(manifest.vm, snapshot_dir / snap.MANIFEST)
     workdir = overrides.workdir
     if workdir.exists() and any(workdir.iterdir()):

@@ -10,6 +10,9 @@ A snapshot directory holds::
     memory.pending  present while the memory layer is still being written after a pause
                     answered (``memory_pending``); the manifest then names the parent's
                     layers only, and the snapshot must not be restored
+    memory.abandoned  the same marker, renamed when a resume continued the frozen VMM in
+                    place instead (``abandon_pending``): the snapshot is never restored,
+                    never written, and goes when no record names it
     <drive>.<fmt>   this snapshot's layer of each writable drive (e.g. ``rootfs.qcow2``)
 
 **Memory is a stack of layers**, base first. Layer 0 is *full*: a sparse file of the guest
@@ -61,6 +64,7 @@ DEVICE_STATE = "vmstate"
 MEMORY = "memory"
 MEMORY_RUNS = "memory.runs"
 MEMORY_PENDING = "memory.pending"
+MEMORY_ABANDONED = "memory.abandoned"
 PAGE_SIZE = 4096
 
 LayerKind = Literal["full", "diff"]
@@ -256,15 +260,30 @@ def write_pending(directory: Path, pending: PendingMemory) -> None:
          "note": pending.note}))
 
 
-def read_pending(directory: Path) -> PendingMemory | None:
+def read_pending(directory: Path, name: str = MEMORY_PENDING) -> PendingMemory | None:
     """The marker of ``directory``; None without one (or an unreadable one: a marker is
-    written complete before the directory is committed, so that is not a snapshot's)."""
+    written complete before the directory is committed, so that is not a snapshot's).
+    ``name``: ``MEMORY_ABANDONED`` reads an abandoned one."""
     try:
-        data = json.loads((directory / MEMORY_PENDING).read_text())
+        data = json.loads((directory / name).read_text())
         return PendingMemory(Path(data["vm_dir"]), bool(data["incremental"]),
                              dict(data.get("note") or {}))
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def memory_abandoned(directory: Path) -> bool:
+    """Whether a resume continued the pause's frozen VMM in place (``MEMORY_ABANDONED``):
+    the snapshot's memory was never written and never will be."""
+    return (directory / MEMORY_ABANDONED).exists()
+
+
+def abandon_pending(directory: Path) -> None:
+    """Rename ``memory.pending`` to ``memory.abandoned``, durably: one atomic step after
+    which a restarted server no longer writes the memory from the VMM (nor ends it) but
+    takes that VMM for the running sandbox it became."""
+    os.replace(directory / MEMORY_PENDING, directory / MEMORY_ABANDONED)
+    durable.fsync_dir(directory)
 
 
 # -- directory lifecycle -------------------------------------------------------------------
