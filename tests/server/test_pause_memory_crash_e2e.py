@@ -4,13 +4,18 @@ deferred pause). After the restart the paused sandbox is still there: the next s
 its memory from the VMM that waited frozen, and the resume has the guest's memory and files
 of the moment of the pause. When the VMM did not survive either, the snapshot keeps its
 ``memory.pending`` marker and the resume is refused with that reason, never made from a
-half-written layer. Uses a server of its own (prefix ``aenvpm``, nets 181-182), since it
-crashes it."""
+half-written layer. A resume during the write continues the frozen VMM in place: a crash
+right after it, or between the abandon of the snapshot and the VMM's ``cont`` (the store's
+record ``resuming``, the marker ``memory.abandoned``), finds the sandbox running in that VM
+after the restart, with its memory and files, the abandoned snapshot collected, and its next
+pause and resume as usual; with the VM gone too it is reported lost. Uses a server of its
+own (prefix ``aenvpm``, nets 181-182), since it crashes it."""
 
 from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import time
 
 import pytest
@@ -102,3 +107,98 @@ def test_a_pause_whose_vmm_died_with_the_server_is_refused_on_resume(crashable) 
         assert "memory layer is incomplete" in r.text
         assert c.get(f"/sandboxes/{sbx.sandbox_id}").json()["state"] == "paused"
         assert c.delete(f"/sandboxes/{sbx.sandbox_id}").status_code == 204
+
+
+def _checks_out(sid: str, name: str, digest: str) -> Sandbox:
+    """The sandbox answers with the memory and files of the moment of its pause."""
+    again = Sandbox.connect(sid)
+    assert again.files.read("/home/user/state.txt") == f"{name} before the pause"
+    assert again.commands.run(CHECK).stdout.strip() == digest
+    assert again.commands.run("test -e /tmp/dirty-ready && echo yes").stdout.strip() == "yes"
+    return again
+
+
+def _pauses_and_resumes_as_usual(srv: ServerProcess, sbx: Sandbox, name: str,
+                                 digest: str) -> None:
+    """A VM continued in place pauses again (its memory diffed against the same parent as
+    before) and, once that memory is written, restores from it."""
+    with srv.api() as c:
+        assert c.post(f"/sandboxes/{sbx.sandbox_id}/pause").status_code == 204
+    deadline = time.monotonic() + 120
+    while list(srv.settings.snapshots_dir.glob(f"*/{snap.MEMORY_PENDING}")):
+        assert time.monotonic() < deadline, "the second pause's memory was never written"
+        time.sleep(0.2)
+    _checks_out(sbx.sandbox_id, name, digest).kill()
+
+
+def _state(srv: ServerProcess, sid: str) -> str | None:
+    with srv.api() as c:
+        r = c.get(f"/sandboxes/{sid}")
+        return r.json()["state"] if r.status_code == 200 else None
+
+
+def test_a_crash_right_after_a_resume_in_place_keeps_it_running(crashable) -> None:
+    srv = crashable
+    sbx, digest = _dirtied(srv, "inplace")
+    with srv.api() as c:
+        assert c.post(f"/sandboxes/{sbx.sandbox_id}/pause").status_code == 204
+        r = c.post(f"/sandboxes/{sbx.sandbox_id}/connect", json={"timeout": 900})
+        assert r.status_code in (200, 201), r.text
+        abandoned = list(srv.settings.snapshots_dir.glob(f"*/{snap.MEMORY_ABANDONED}"))
+        srv.kill9()
+    assert len(abandoned) == 1, "the resume did not continue the VM in place"
+    assert "continued in place" in srv.log_path.read_text()
+    srv.start()
+
+    assert _state(srv, sbx.sandbox_id) == "running"
+    again = _checks_out(sbx.sandbox_id, "inplace", digest)
+    assert not abandoned[0].parent.exists(), "the abandoned snapshot was not collected"
+    _pauses_and_resumes_as_usual(srv, again, "inplace", digest)
+
+
+def _cut_between_abandon_and_cont(srv: ServerProcess, sbx: Sandbox) -> snap.PendingMemory:
+    """The state a crash leaves after a resume in place renamed the marker and before it
+    ran ``cont``: the VMM frozen, the marker ``memory.abandoned``, the record ``resuming``
+    (made by hand while the server is down)."""
+    name, pending = _pause_and_crash(srv, sbx)
+    snap.abandon_pending(srv.settings.snapshots_dir / name)
+    db = sqlite3.connect(srv.settings.home / "aenv.db")
+    try:
+        with db:
+            changed = db.execute("UPDATE sandboxes SET state = 'resuming' WHERE id = ? AND "
+                                 "state = 'paused'", (sbx.sandbox_id,)).rowcount
+        assert changed == 1
+    finally:
+        db.close()
+    return pending
+
+
+def test_a_crash_between_the_abandon_and_the_cont_finishes_the_resume(crashable) -> None:
+    srv = crashable
+    sbx, digest = _dirtied(srv, "cut")
+    _cut_between_abandon_and_cont(srv, sbx)
+    srv.start()
+
+    assert _state(srv, sbx.sandbox_id) == "running"
+    assert "its resume in place finished after the restart" in srv.log_path.read_text()
+    assert not list(srv.settings.snapshots_dir.glob(f"*/{snap.MEMORY_ABANDONED}"))
+    again = _checks_out(sbx.sandbox_id, "cut", digest)
+    _pauses_and_resumes_as_usual(srv, again, "cut", digest)
+
+
+def test_a_cut_resume_in_place_whose_vmm_died_is_reported_lost(crashable) -> None:
+    srv = crashable
+    sbx, _ = _dirtied(srv, "cutlost")
+    pending = _cut_between_abandon_and_cont(srv, sbx)
+    pid = int((pending.vm_dir / wd.PIDFILE).read_text().strip())
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/{pid}"):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    srv.start()
+
+    assert _state(srv, sbx.sandbox_id) is None  # ended: lost
+    assert "did not survive" in srv.log_path.read_text()
+    assert not list(srv.settings.snapshots_dir.glob(f"*/{snap.MEMORY_ABANDONED}"))
+    assert not pending.vm_dir.exists()
