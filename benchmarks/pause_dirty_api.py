@@ -1,20 +1,26 @@
-"""Pause after dirtying guest memory, through the API, with the pause's memory written in the
-background and within the request, side by side (issue 21, item 5).
+"""Pause after dirtying guest memory, through the API, then resume at once: the pause's
+memory written in the background with the resume continuing the frozen VMM in place, in
+the background with the resume waiting for the write, and within the request, side by side
+(issue 21, item 5).
 
 Run as root: ``.venv/bin/python benchmarks/pause_dirty_api.py [--reps 8] [--dirty-mib 200]
-[--net 184]``
+[--net 184] [--sides in_place,background,in_request]``
 
-Method: two ``aenv server``s of this tree (``benchmarks/_server.py``; nets ``--net`` and
-``--net`` + 1), one with ``AENV_PAUSE_MEMORY_IN_BACKGROUND=1`` (the default: the pause
-answers once device state and disk are saved, memory is written after) and one with ``0``
-(memory written within the request, as before). They take turns, one rep each, so both see
-the same host load. Per rep, on each: a sandbox from ``base`` (a restore, as every create);
-a guest process fills ``--dirty-mib`` MiB with a non-zero byte; ``POST /sandboxes/{id}/pause``
-timed by the client (``pause_ms``); at once ``POST /sandboxes/{id}/connect`` (the resume the
-SDK's ``connect`` makes) timed (``resume_right_after_ms``: for the background side it waits
-for the memory write first); then the sandbox is killed. Output: one JSON object, every
-summary with its n (p99 null below 100 samples); ``pause_phases_ms``: the phases the pause's
-``Server-Timing`` names.
+Method: one ``aenv server`` of this tree per side (``benchmarks/_server.py``; nets ``--net``,
+``--net`` + 1, ...): ``in_place`` (``AENV_PAUSE_MEMORY_IN_BACKGROUND=1``,
+``AENV_RESUME_IN_PLACE=1``, the defaults: the pause answers once device state and disk are
+saved, memory is written after, and a resume during the write continues the frozen VMM),
+``background`` (the same with ``AENV_RESUME_IN_PLACE=0``: the resume waits for the write,
+then restores) and ``in_request`` (``AENV_PAUSE_MEMORY_IN_BACKGROUND=0``: memory written
+within the pause). They take turns, one rep each, so all see the same host load. Per rep, on
+each: a sandbox from ``base`` (a restore, as every create); a guest process fills
+``--dirty-mib`` MiB with a non-zero byte; ``POST /sandboxes/{id}/pause`` timed by the client
+(``pause_ms``); at once ``POST /sandboxes/{id}/connect`` (the resume the SDK's ``connect``
+makes) timed (``resume_right_after_ms``); the guest is asked whether its dirtying process's
+file is still there (not timed: a resumed guest must be the paused one); then the sandbox
+is killed. Output: one JSON object, every summary with its n (p99 null below 100 samples);
+``pause_phases_ms`` and ``resume_phases_ms``: the phases the answers' ``Server-Timing``
+names.
 """
 
 from __future__ import annotations
@@ -36,6 +42,25 @@ from aenv.config import Settings
 from aenv.orchestrator.timing import parse_server_timing
 from benchmarks._common import emit, expect_status, phase_summaries, summary
 from benchmarks._server import VMServer, log
+
+SIDES = {
+    "in_place": {"AENV_PAUSE_MEMORY_IN_BACKGROUND": "1", "AENV_RESUME_IN_PLACE": "1"},
+    "background": {"AENV_PAUSE_MEMORY_IN_BACKGROUND": "1", "AENV_RESUME_IN_PLACE": "0"},
+    "in_request": {"AENV_PAUSE_MEMORY_IN_BACKGROUND": "0"},
+}
+
+
+def _still_there(srv: VMServer, sid: str, token: str | None) -> bool:
+    from aenv.client.envd import EnvdClient
+
+    async def go() -> bool:
+        envd = EnvdClient.through_proxy(srv.url, sid, token)
+        try:
+            return (await envd.run("test -e /tmp/dirty-ready")).exit_code == 0
+        finally:
+            await envd.aclose()
+
+    return asyncio.run(go())
 
 
 def _dirty(srv: VMServer, sid: str, token: str | None, mib: int) -> None:
@@ -66,12 +91,16 @@ def one(srv: VMServer, api: httpx.Client, mib: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     paused = expect_status(api.post(f"/sandboxes/{sid}/pause"), 204)
     t1 = time.perf_counter()
-    expect_status(api.post(f"/sandboxes/{sid}/connect", json={"timeout": 600}), 200, 201)
+    resumed = expect_status(api.post(f"/sandboxes/{sid}/connect", json={"timeout": 600}),
+                            200, 201)
     t2 = time.perf_counter()
+    if not _still_there(srv, sid, token):
+        raise AssertionError(f"{sid}: the resumed guest lost the state of its pause")
     expect_status(api.delete(f"/sandboxes/{sid}"), 204)
     return {"pause_ms": (t1 - t0) * 1000, "resume_right_after_ms": (t2 - t1) * 1000,
             # The pause's own phases (ms), when the server says (since 1d7d8fc).
-            "pause_phases": parse_server_timing(paused.headers.get("server-timing", ""))}
+            "pause_phases": parse_server_timing(paused.headers.get("server-timing", "")),
+            "resume_phases": parse_server_timing(resumed.headers.get("server-timing", ""))}
 
 
 def main() -> None:
@@ -79,18 +108,20 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--dirty-mib", type=int, default=200)
     ap.add_argument("--net", type=int, default=184)
+    ap.add_argument("--sides", default=",".join(SIDES),
+                    help=f"comma-separated, of {', '.join(SIDES)}")
     args = ap.parse_args()
+    names = [n for n in args.sides.split(",") if n]
+    if not names or set(names) - set(SIDES):
+        sys.exit(f"--sides: choose among {', '.join(SIDES)}")
     if os.geteuid() != 0:
         sys.exit("pause_dirty_api.py needs root (network namespaces and taps)")
     cache = Settings.from_env().artifacts
     sides = {
-        "background": VMServer(Path(tempfile.mkdtemp(prefix="aenv-bench-pausedirty-")),
-                               args.net, cache, letters="pb",
-                               env={"AENV_PAUSE_MEMORY_IN_BACKGROUND": "1"}),
-        "in_request": VMServer(Path(tempfile.mkdtemp(prefix="aenv-bench-pausedirty-")),
-                               args.net + 1, cache, letters="pi",
-                               env={"AENV_PAUSE_MEMORY_IN_BACKGROUND": "0"}),
-    }
+        name: VMServer(Path(tempfile.mkdtemp(prefix="aenv-bench-pausedirty-")),
+                       args.net + i, cache, letters="p" + "cbi"[list(SIDES).index(name)],
+                       env=SIDES[name])
+        for i, name in enumerate(names)}
     rows: dict[str, list[dict[str, Any]]] = {k: [] for k in sides}
     t0 = time.monotonic()
     try:
@@ -98,7 +129,8 @@ def main() -> None:
             srv.start()
         apis = {k: srv.api() for k, srv in sides.items()}
         for i in range(args.reps):
-            order = list(sides) if i % 2 == 0 else list(sides)[::-1]
+            shift = i % len(sides)
+            order = list(sides)[shift:] + list(sides)[:shift]
             for k in order:
                 row = one(sides[k], apis[k], args.dirty_mib)
                 rows[k].append(row)
@@ -113,7 +145,8 @@ def main() -> None:
           "wall_s": round(time.monotonic() - t0, 1),
           **{k: {**{m: summary([r[m] for r in rs])
                     for m in ("pause_ms", "resume_right_after_ms")},
-                 "pause_phases_ms": phase_summaries([r["pause_phases"] for r in rs])}
+                 "pause_phases_ms": phase_summaries([r["pause_phases"] for r in rs]),
+                 "resume_phases_ms": phase_summaries([r["resume_phases"] for r in rs])}
              for k, rs in rows.items()},
           "goals": {"pause_after_dirtying_200mib_p50_ms": 200}})
 
