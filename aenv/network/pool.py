@@ -81,6 +81,7 @@ class SlotPool:
         self._creating = 0
         self._cleaning = 0  # released slots taken off _dirty and not yet warm or freed
         self._starts = 0  # VM starts in progress (``starting``)
+        self._bursts = 0  # of which a fan-out's (``starting(burst=True)``)
         self._last_busy = 0.0  # monotonic time of the last acquire or release
         self._pending_since: float | None = None  # since when the filler has had work
         self._started = False
@@ -214,17 +215,22 @@ class SlotPool:
             self._cv.notify_all()
 
     @contextmanager
-    def starting(self) -> Iterator[None]:
+    def starting(self, *, burst: bool = False) -> Iterator[None]:
         """Around a VM start (slot acquired to guest ready): the filler holds its work until
         no start is in progress. A fork of 16 empties the pool, and refilling it at once
-        (~0.4 s of this process's CPU) competed with the children coming up."""
+        (~0.4 s of this process's CPU) competed with the children coming up. ``burst``: a
+        start of a fan-out whose starts all run at once (a fork's children): while one
+        is in progress the filler waits without ``_MAX_DEFER_S`` (the fan-out ends by
+        itself; under TCG a fork x16 outlasts 3 s, and its refill then ran during it)."""
         with self._cv:
             self._starts += 1
+            self._bursts += burst
         try:
             yield
         finally:
             with self._cv:
                 self._starts -= 1
+                self._bursts -= burst
                 self._last_busy = time.monotonic()
                 self._cv.notify_all()
 
@@ -346,6 +352,9 @@ class SlotPool:
         if self._pending_since is None:
             self._pending_since = now
         deadline = self._pending_since + _MAX_DEFER_S
+        if self._bursts:  # no deadline: the fan-out's last start notifies
+            self._pending_since = now
+            return _QUIET_S
         if self._starts:  # the end of the last start notifies; re-check now and then
             return min(deadline - now, _QUIET_S)
         return min(self._last_busy + _QUIET_S, deadline) - now

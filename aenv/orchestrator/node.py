@@ -28,6 +28,7 @@ from a half-written layer. An abandoned marker's VMM and slot are kept too, and 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -127,6 +128,15 @@ def _restore_phases(t: dict[str, float], total: float) -> dict[str, float]:
     return {"prepare": t["prepare"], "vmm": t["qmp_ready"],
             "memory": t["memory_applied"] - t["qmp_ready"],
             "state_load": total - t["prepare"] - t["memory_applied"]}
+
+
+async def _cancelled(task: asyncio.Task[None] | None) -> None:
+    """End ``task`` (an /init sent ahead) if it still runs; its outcome no longer matters."""
+    if task is None:
+        return
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
 
 
 def egress_policy(rec: SandboxRecord) -> EgressPolicy:
@@ -401,7 +411,8 @@ class NodeMachines:
         # The pools' fillers keep their CPU off the host while guests come up.
         self._starts += 1
         try:
-            with self.pool.starting():
+            # A fork's children start together: the pool refills once they all ran.
+            with self.pool.starting(burst=template.build_id == "fork"):
                 if image.is_snapshot:
                     directory = self._snapshot_dir(image)
                     if template.build_id == "resume" and self.settings.resume_in_place:
@@ -441,30 +452,48 @@ class NodeMachines:
         timer.mark("slot")
         workdir = self.settings.vms_dir / rec.id
         vm: VM | None = None
+        init: asyncio.Task[None] | None = None
+        overrides = RestoreOverrides(vm_id=rec.id, workdir=workdir, netns=slot.netns)
         try:
-            vm = await self.runtime.restore(directory, RestoreOverrides(
-                vm_id=rec.id, workdir=workdir, netns=slot.netns))
+            if getattr(self.runtime, "nic_open_at_prestart", False):
+                # /init pipelined: sent once the VMM holds the tap, while its state loads
+                # (what reaches the tap before the vCPUs run waits there for the guest).
+                pre = await self.runtime.prestart(  # type: ignore[attr-defined]
+                    directory, overrides)
+                init = asyncio.create_task(self._init_envd(
+                    f"http://{slot.host_ip}:{ENVD_PORT}", rec, template, restored=True,
+                    alive=pre.is_alive))
+                vm = await self.runtime.activate(pre)  # type: ignore[attr-defined]
+            else:
+                vm = await self.runtime.restore(directory, overrides)
         except BaseException:
+            await _cancelled(init)
             await self._abandon(vm, workdir, slot)
             raise
+        assert vm is not None
         restored_at = timer.elapsed()
         timer.skip()
         timer.add(_restore_phases(vm.boot_timings, restored_at - timer.phases["slot"]))
         return await self._restored(rec, template, vm, slot, workdir, timer,
-                                    f"restored from {directory.name} into slot {slot.index}")
+                                    f"restored from {directory.name} into slot {slot.index}",
+                                    init=init)
 
     async def _restored(self, rec: SandboxRecord, template: TemplateRecord, vm: VM,
                         slot: NetworkSlot, workdir: Path, timer: PhaseTimer,
-                        how: str) -> Placement:
-        """The end of every restore, pooled or not: envd's ``/init``, then the sandbox
-        runs. No /health first: the guest's envd was running when it was captured, and the
-        first /init that connects is the readiness check (one round trip fewer per child
-        of a fork, where every guest competes for the host's cores). A failed /init
-        abandons the VM, its directory and its slot."""
+                        how: str, *, init: asyncio.Task[None] | None = None) -> Placement:
+        """The end of every restore, pooled or not: envd's ``/init`` (or ``init``, the one
+        already sent), then the sandbox runs. No /health first: the guest's envd was
+        running when it was captured, and the first /init that connects is the readiness
+        check (one round trip fewer per child of a fork, where every guest competes for
+        the host's cores). A failed /init abandons the VM, its directory and its slot."""
         try:
-            await self._init_envd(f"http://{slot.host_ip}:{ENVD_PORT}", rec, template,
-                                  restored=True, vm=vm)
+            if init is not None:
+                await init
+            else:
+                await self._init_envd(f"http://{slot.host_ip}:{ENVD_PORT}", rec, template,
+                                      restored=True, alive=vm.is_alive)
         except BaseException:
+            await _cancelled(init)
             await self._abandon(vm, workdir, slot)
             raise
         self._running[rec.id] = _Running(vm, slot, None)
@@ -575,12 +604,13 @@ class NodeMachines:
                          restored_from=backing)
 
     async def _init_envd(self, url: str, rec: SandboxRecord, template: TemplateRecord, *,
-                         restored: bool, vm: VM | None = None) -> None:
+                         restored: bool, alive: Callable[[], bool] | None = None) -> None:
         """Hand the guest its identity. After a restore the clock is as old as the snapshot
         and the RNG state is shared with every other restore of it: /init fixes both, and
-        the token inside the snapshot authorises handing over this sandbox's. With ``vm``
-        (a restore) this also waits for envd to accept. (A cold boot's start command runs
-        later, after the volume mounts: ``start``.)"""
+        the token inside the snapshot authorises handing over this sandbox's. With
+        ``alive`` (a restore: whether its VMM still runs) this also waits for envd to
+        accept. (A cold boot's start command runs later, after the volume mounts:
+        ``start``.)"""
         envd = EnvdClient(url)
         try:
             await envd.init(access_token=rec.envd_token, env_vars=rec.env_vars,
@@ -588,8 +618,7 @@ class NodeMachines:
                             default_workdir=template.workdir,
                             current_token=template.envd_token if restored else None,
                             entropy=os.urandom(64), ca_bundle=self.egress_ca,
-                            wait=ENVD_READY_TIMEOUT_S if vm else 0.0,
-                            alive=vm.is_alive if vm else None)
+                            wait=ENVD_READY_TIMEOUT_S if alive else 0.0, alive=alive)
         finally:
             await envd.aclose()
 

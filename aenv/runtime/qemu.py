@@ -321,6 +321,10 @@ class QemuVM(VM):
 
 class QemuRuntime(Runtime):
     name = "qemu"
+    # The VMM holds the tap from its start (``prestart``): packets sent to the guest before
+    # its vCPUs run wait in QEMU's queue and reach it once they do (an /init sent while
+    # the state loads; ``NodeMachines._restore``).
+    nic_open_at_prestart = True
 
     def __init__(self, *, accel: AccelChoice | None = None, binary: str | None = None,
                  max_chain: int = qemu_snapshot.DEFAULT_MAX_CHAIN,

@@ -18,6 +18,7 @@ from aenv.network import (
     nft,
 )
 from aenv.network import netns as ns
+from aenv.network import pool as pool_module
 
 from .helpers import (
     GUEST_IP,
@@ -68,6 +69,27 @@ def test_the_filler_waits_while_a_vm_start_is_in_progress(pool_factory):
         ended = time.monotonic()
     assert pool.wait_warm()
     assert time.monotonic() - ended >= 0.45  # refilled once the start was over and quiet
+
+
+@pytest.mark.parametrize("burst", [False, True])
+def test_a_forks_starts_hold_the_filler_past_the_deferral_cap(pool_factory, monkeypatch,
+                                                              burst):
+    """A start holds the filler at most ``_MAX_DEFER_S``; a fan-out's (a fork's children)
+    until it is over: under TCG a fork x16 outlasts the cap, and its refill ran during it."""
+    monkeypatch.setattr(pool_module, "_MAX_DEFER_S", 0.6)
+    pool = pool_factory(warm=1)
+    assert pool.wait_warm()
+    with pool.starting(burst=burst):
+        pool.acquire()
+        time.sleep(1.6)  # past the cap
+        stats = pool.stats()
+        ended = time.monotonic()
+    if burst:
+        assert stats["warm"] == 0 and stats["creating"] == 0, stats
+        assert pool.wait_warm()
+        assert time.monotonic() - ended >= 0.45  # once the fan-out was over and quiet
+    else:
+        assert stats["warm"] + stats["creating"] == 1, stats  # the cap let it refill
 
 
 def test_acquire_without_warm_slots_creates_one(pool_factory):
