@@ -308,8 +308,9 @@ class Orchestrator:
         ``sandbox_lock`` (waiting for another operation on the sandbox), ``store_begin``
         (its record to ``snapshotting``), the machines' phases (``NodeMachines.snapshot``:
         ``lock``, the capture's steps, ``compaction_queue``, ``log``, ``publish``; a
-        capture step's finer phases, ``memory_*`` and ``commit_compact``, lie within
-        ``save_memory`` and ``commit``), ``store_end`` (its record back to ``running``),
+        capture step's finer phases, ``plan_*``, ``memory_*``, ``commit_compact`` and
+        ``commit_durable``, lie within ``plan``, ``save_memory`` and ``commit``),
+        ``store_end`` (its record back to ``running``),
         ``store_insert`` (the snapshot's record) and ``share`` (the cluster's shelf)."""
         timer = PhaseTimer()
         taken = self.templates.get(name) if name else None

@@ -680,9 +680,11 @@ def _flatten(p: _DrivePlan, staging: Path, *, shared: bool) -> None:
 class QemuCapture(CaptureSteps):
     """``QemuVM.snapshot`` as the steps of ``aenv.runtime.snapshot_recipe`` (what each one
     does to memory and drives: the module docstring). ``phases``: the recipe's steps, and
-    finer ones within them: ``memory_scan``, ``memory_prepare`` and ``memory_copy`` (of
-    ``save_memory``, for a restored VM) and ``commit_compact`` (flattening the drives of a
-    full snapshot, after the thaw). A pause (``stop``) stays frozen from ``freeze`` until
+    finer ones within them: ``plan_files``, ``plan_drives`` and ``plan_status`` (of
+    ``plan``), ``memory_scan``, ``memory_prepare`` and ``memory_copy`` (of ``save_memory``,
+    for a restored VM), ``commit_compact`` (flattening the drives of a full snapshot, after
+    the thaw) and ``commit_durable`` (``snapshots.commit``: fsyncs and the rename) of
+    ``commit``. A pause (``stop``) stays frozen from ``freeze`` until
     its VMM quits in ``finish``; ``freeze_s`` counts until the capture was complete
     (``thaw``)."""
 
@@ -704,8 +706,10 @@ class QemuCapture(CaptureSteps):
     async def plan(self, c: Capture) -> None:
         """The machine record, lineage and parent manifest; the staging directory; each
         drive's plan, with the overlays a running VM switches to made now (qemu-img takes
-        ~20 ms a call); whether the vCPUs run."""
+        ~20 ms a call); whether the vCPUs run. Finer phases within ``plan``: ``plan_files``
+        (records, manifest, staging directory), ``plan_drives``, ``plan_status`` (QMP)."""
         vm = self.vm
+        t = PhaseTimer()
         self.machine = read_machine(vm.workdir)
         if not self.machine.memory_file:
             raise NotSupportedError("snapshots need guest RAM in a file (VMSpec.memory_file)",
@@ -717,10 +721,14 @@ class QemuCapture(CaptureSteps):
                                 vm_id=vm.vm_id)
         self.staging = staging = snap.begin(c.directory)
         c.undo.push("the staging directory", lambda: snap.abort(staging))
+        t.mark("plan_files")
         self.plans = await asyncio.to_thread(
             _plan_drives, vm.workdir, self.machine, self.lineage, self.parent, c.directory,
             stop=c.stop, incremental=c.incremental, max_chain=self.max_chain, jail=vm.jail)
+        t.mark("plan_drives")
         self.was_running = await vm.status() == "running"
+        t.mark("plan_status")
+        c.timer.add(t.phases)
 
     async def freeze(self, c: Capture) -> None:
         """QMP ``stop`` when the vCPUs run (``stop`` also flushes the image format's
@@ -803,7 +811,9 @@ class QemuCapture(CaptureSteps):
             layers=tuple(_relocate(la, staging, c.directory) for la in mem.layers),
             drives=tuple(p.image() for p in self.plans), parent=self.lineage.parent,
             sizes=sizes, timings=c.phases)
+        durable = PhaseTimer()
         snap.commit(staging, c.directory, manifest)
+        c.timer.add({"commit_durable": durable.elapsed()})  # within ``commit``
         return Captured(parent=manifest.parent, memory_bytes=mem.written,
                         memory_layers=len(manifest.layers), disk_bytes=sizes["disks"],
                         compacted=mem.compacted or any(p.flatten for p in self.plans),

@@ -14,7 +14,8 @@ from aenv.orchestrator.timing import parse_server_timing
 from tests.api.api_world import world_client
 
 # Finer phases a capture step reports within itself (``Orchestrator.snapshot``).
-NESTED = {"memory_scan", "memory_prepare", "memory_copy", "commit_compact"}
+NESTED = {"plan_files", "plan_drives", "plan_status", "memory_scan", "memory_prepare",
+          "memory_copy", "commit_compact", "commit_durable"}
 
 
 @pytest.fixture
