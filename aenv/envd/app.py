@@ -18,6 +18,7 @@ from . import control, files
 from .auth import AccessTokenMiddleware
 from .filesystem.service import FilesystemService
 from .guest import GuestHooks
+from .metrics import MetricsEndpoint, MetricsSampler
 from .process.service import ProcessService
 from .proto import filesystem_pb, process_pb
 from .rpc import ConnectService
@@ -36,15 +37,20 @@ _CONNECT_EXPOSED = [
 
 
 class _Dispatch:
-    """Route by path prefix to the Connect apps, else to Starlette."""
+    """Route by path prefix to the Connect apps, ``GET /metrics`` to ``metrics`` (what the
+    orchestrator polls, without Starlette's layers), else to Starlette."""
 
-    def __init__(self, web: ASGIApp, rpc: list[ConnectService]) -> None:
+    def __init__(self, web: ASGIApp, rpc: list[ConnectService],
+                 metrics: ASGIApp | None = None) -> None:
         self.web = web
         self.rpc = {svc.path + "/": svc for svc in rpc}
+        self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             path = scope["path"]
+            if path == "/metrics" and scope["method"] == "GET" and self.metrics is not None:
+                return await self.metrics(scope, receive, send)
             for prefix, app in self.rpc.items():
                 if path.startswith(prefix):
                     return await app(scope, receive, send)
@@ -62,13 +68,16 @@ def create_app(state: EnvdState | None = None, hooks: GuestHooks | None = None,
         yield
         await process.shutdown()
 
-    web = Starlette(routes=[*control.routes(state, hooks), *files.routes(state)], lifespan=lifespan)
+    sampler = MetricsSampler()
+    web = Starlette(routes=[*control.routes(state, hooks, sampler), *files.routes(state)],
+                    lifespan=lifespan)
     app: ASGIApp = _Dispatch(
         web,
         [
             ConnectService(process, process_pb, "process.Process"),
             ConnectService(FilesystemService(state), filesystem_pb, "filesystem.Filesystem"),
         ],
+        MetricsEndpoint(sampler),
     )
     app = AccessTokenMiddleware(app, state)
     return CORSMiddleware(

@@ -23,8 +23,11 @@ from .mounts import parse as parse_mounts
 from .state import ENVD_VERSION, EnvdState
 
 
-def routes(state: EnvdState, hooks: GuestHooks) -> list[Route]:
-    sampler = MetricsSampler()
+def routes(state: EnvdState, hooks: GuestHooks,
+           sampler: MetricsSampler | None = None) -> list[Route]:
+    """``sampler``: the one ``/metrics`` answers from (``aenv.envd.app`` also serves it past
+    Starlette, ``metrics.MetricsEndpoint``)."""
+    sampler = sampler or MetricsSampler()
 
     async def health(_: Request) -> Response:
         return Response(status_code=204, headers={"Cache-Control": "no-store"})

@@ -58,3 +58,33 @@ def test_the_sandboxs_env_vars_win_over_envds_ca_variables() -> None:
                       tls_env={"REQUESTS_CA_BUNDLE": "/b", "NODE_EXTRA_CA_CERTS": "/c"})
     assert state.process_env() == {"REQUESTS_CA_BUNDLE": "/mine.pem", "A": "1",
                                    "NODE_EXTRA_CA_CERTS": "/c"}
+
+
+def test_the_same_ca_again_does_not_read_the_bundle_while_it_is_unchanged(
+        tmp_path: Path, monkeypatch) -> None:
+    """Every /init after a restore brings the CA the snapshot's guest trusted already."""
+    import builtins
+
+    from aenv.envd import guest
+
+    bundle, source = _paths(tmp_path)
+    Path(bundle).parent.mkdir(parents=True)
+    Path(bundle).write_text(PUBLIC_ROOT)
+    pem = _node_ca(tmp_path)
+    hooks = GuestHooks(enabled=True)
+    first = hooks.trust_ca(pem, bundle, source)
+    opened: list[str] = []
+    real_open = builtins.open
+
+    def counting_open(path, *args, **kwargs):
+        opened.append(str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(guest, "open", counting_open, raising=False)
+    assert hooks.trust_ca(pem, bundle, source) == first
+    assert opened == []
+    # the image's own tools rewrote the bundle without it: added again
+    Path(bundle).write_text(PUBLIC_ROOT + PUBLIC_ROOT)
+    assert hooks.trust_ca(pem, bundle, source) == first
+    assert bundle in opened
+    assert Path(bundle).read_text().count(pem.strip()) == 1
