@@ -21,7 +21,10 @@ of them:
   copied on write since the restore, in the VMM's mapping of the template's memory file)
   and ``vmm_own`` (TCG's translation cache, QEMU's heap and device buffers), of which
   ``tcg_translation_cache`` is the translation cache alone (anonymous pages of the VMM's
-  executable anonymous mapping: what KVM does not have).
+  executable anonymous mapping: what KVM does not have). QEMU asks for transparent huge
+  pages on that buffer (MADV_HUGEPAGE; AnonHugePages equals its Anonymous), so one VMM's
+  figure moves in steps of 2 MiB and holds up to 2 MiB more than the code it translated:
+  compare means over many VMMs.
 - ``cpu_ms_per_s``: host CPU time (``utime + stime`` of ``/proc/PID/stat``, every thread of
   the VMM) over ``--window`` seconds, per second of wall time, per sandbox; ``server`` is
   the aenv server's own (TTL loop, proxy, metrics) over the same window; ``host_busy_pct``
