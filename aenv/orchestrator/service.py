@@ -13,6 +13,7 @@ to one paused sandbox resume it once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import statistics
@@ -134,6 +135,9 @@ class Orchestrator:
         self.start_queue = StartQueue(limits.max_starting, limits.start_queue,
                                       limits.start_queue_timeout_s)
         self._ttl_task: asyncio.Task[None] | None = None
+        # Garbage collection off a request's path (``_collect_soon``), one at a time.
+        self._collecting: asyncio.Task[None] | None = None
+        self._collect_again = False
         # References in use that no record names yet (see ``pins``); the builder shares it.
         self.pins = Pins()
         # Called with the sandbox id after its VM stopped (kill, pause): e.g. the proxy
@@ -151,12 +155,27 @@ class Orchestrator:
         self._ttl_task = asyncio.create_task(self._ttl_loop(), name="aenv-ttl")
 
     async def close(self) -> None:
-        if self._ttl_task:
-            self._ttl_task.cancel()
-            try:
-                await self._ttl_task
-            except asyncio.CancelledError:
-                pass
+        for task in (self._ttl_task, self._collecting):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    def _collect_soon(self) -> None:
+        """Collect garbage in the background: what a request left for collection without
+        having to wait for it (a resume in place, its abandoned snapshot). Requests that
+        come while one runs are folded into one more pass."""
+        if self._collecting is not None and not self._collecting.done():
+            self._collect_again = True
+            return
+        self._collecting = asyncio.create_task(self._collect_passes(), name="aenv-collect")
+
+    async def _collect_passes(self) -> None:
+        while True:
+            self._collect_again = False
+            await self.collect_garbage()
+            if not self._collect_again:
+                return
 
     def _lock(self, sandbox_id: str) -> asyncio.Lock:
         return self._locks.setdefault(sandbox_id, asyncio.Lock())
@@ -695,6 +714,10 @@ class Orchestrator:
             snapshot_id=None,
             end_at=now + (timeout if timeout is not None else DEFAULT_TIMEOUT_S),
         )
+        if "abandon" in placement.phases:
+            # Continued in place (``NodeMachines._resume_in_place``): its pause's snapshot,
+            # abandoned, is named by nothing now.
+            self._collect_soon()
 
     # -- a cluster's shared store: paused sandboxes other nodes may resume ----------------
 
