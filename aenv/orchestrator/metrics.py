@@ -3,9 +3,10 @@
 Every ``interval`` seconds the collector samples each running sandbox and keeps the last
 ``keep`` samples in memory (a restart starts the history afresh; the SDK only asks for
 recent windows). A sample is envd's ``/metrics`` answer, or, for a guest that did nothing,
-a repeat of its last one (``_repeat``): asking wakes the guest (TCP, envd's Python), ~35-50
-ms of its VMM's host CPU under TCG per call, which every 30 s was half of what an idle
-sandbox cost the host (~3 ms/s).
+a repeat of its last one (``_repeat``): asking wakes the guest (TCP, envd's Python), 13-20
+ms of its VMM's host CPU per call under TCG (more the first time, when the code is
+translated), and an idle sandbox asked every 30 s cost the host ~2.0-2.2 ms/s, ~1.2-1.6
+without (benchmarks/density.py --n 20).
 
 Whether the guest did anything is read on the host, without asking it: its VMM
 (``vm_pid``, ``/proc/PID/stat``) used less than ``IDLE_CPU_MS_PER_S`` of host CPU per
@@ -58,7 +59,7 @@ MAX_VALUE = 2 ** 53
 # far enough outside it would not convert to a date at all.
 TS_RANGE = (946_684_800, 4_102_444_800)
 # Below this much host CPU per second of wall time (all its threads), a VMM's guest counts
-# as idle: an idle TCG guest costs ~2-5 ms/s (one /metrics call ~35-50 ms, so a guest asked
+# as idle: an idle TCG guest costs ~1-5 ms/s (one /metrics call 13-20 ms, so a guest asked
 # every 5 s stays below too), one that runs anything 100 and more.
 IDLE_CPU_MS_PER_S = 30.0
 # An idle guest is asked at least this often (seconds), so what slow changes below the
