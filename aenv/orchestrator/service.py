@@ -163,7 +163,7 @@ class Orchestrator:
 
     def _collect_soon(self) -> None:
         """Collect garbage in the background: what a request left for collection without
-        having to wait for it (a resume in place, its abandoned snapshot). Requests that
+        having to wait for it (a resume: its pause's snapshots). Requests that
         come while one runs are folded into one more pass."""
         if self._collecting is not None and not self._collecting.done():
             self._collect_again = True
@@ -714,10 +714,10 @@ class Orchestrator:
             snapshot_id=None,
             end_at=now + (timeout if timeout is not None else DEFAULT_TIMEOUT_S),
         )
-        if "abandon" in placement.phases:
-            # Continued in place (``NodeMachines._resume_in_place``): its pause's snapshot,
-            # abandoned, is named by nothing now.
-            self._collect_soon()
+        # What the pause kept for its VM (the snapshot it was restored from: a deferred
+        # pause's VM lived on while its memory was written) or abandoned (a resume in
+        # place, ``NodeMachines._resume_in_place``) is named by nothing now.
+        self._collect_soon()
 
     # -- a cluster's shared store: paused sandboxes other nodes may resume ----------------
 

@@ -39,7 +39,9 @@ def _timing(r: httpx.Response) -> tuple[dict[str, float], float]:
 
 def _adds_up(phases: dict[str, float], total: float) -> None:
     outer = sum(v for k, v in phases.items() if k not in NESTED)
-    assert abs(outer - total) < 1.0, (phases, total)  # ms; only the skips' microseconds
+    # ms: what lies between phases is microseconds of code, but on a loaded 2-core host a
+    # switch of the event loop between two marks costs a few ms (1 ms failed at load 28).
+    assert abs(outer - total) < 5.0, (phases, total)
 
 
 async def test_a_snapshot_answer_times_the_whole_request(api) -> None:
