@@ -67,7 +67,7 @@ from aenv.orchestrator.timing import parse_server_timing
 from aenv.runtime.kvm import host_accel
 from benchmarks._common import emit, expect_status, phase_summaries, summary
 from benchmarks._server import VMServer
-from benchmarks.vm_snapshot import Bench, log, ms
+from benchmarks.vm_snapshot import Bench, dirty_guest, log, ms
 
 GOALS = {"snapshot_while_writing_p99_ms": 150, "pause_after_dirtying_200mib_p50_ms": 200}
 WRITER = ("nohup bash -c 'while true; do dd if=/dev/urandom of=/home/user/rewrite.bin "
@@ -235,18 +235,6 @@ async def _start_writer(url: str, sid: str, token: str | None) -> None:
         await envd.aclose()
 
 
-async def _dirty(sbx: Any, size: int) -> None:
-    """A guest process fills ``size`` MiB with one non-zero byte (pages unlike the base)."""
-    await sbx.envd.start_background(
-        f"python3 -c \"import time; x = bytearray(b'\\xa5') * ({size} << 20); "
-        f"open('/tmp/dirty-ready', 'w').close(); time.sleep(3600)\"")
-    deadline = time.monotonic() + 300
-    while (await sbx.envd.run("test -e /tmp/dirty-ready")).exit_code != 0:
-        if time.monotonic() > deadline:
-            raise TimeoutError("the guest did not finish dirtying memory")
-        await asyncio.sleep(0.2)
-
-
 async def dirty_pause_both(bench: Bench, template: Path, size: int,
                            reps: int) -> dict[str, Any]:
     """``pause_after_dirtying``: inline and deferred pauses taking turns (module docstring)."""
@@ -257,7 +245,7 @@ async def dirty_pause_both(bench: Bench, template: Path, size: int,
         for mode in ("inline", "deferred"):
             (slot,) = await bench.slots(1)
             sbx, _ = await bench.restore(template, slot, f"dirty{mode[:3]}")
-            await _dirty(sbx, size)
+            await dirty_guest(sbx, size)
             directory = bench.root / f"dirty-{mode}-{size}-{i}"
             t0 = time.monotonic()
             if mode == "inline":

@@ -69,6 +69,19 @@ def ms(seconds: float) -> float:
     return round(seconds * 1000, 2)
 
 
+async def dirty_guest(sbx: Any, size: int) -> None:
+    """A guest process fills ``size`` MiB with one non-zero byte, repeated: distinct pages
+    with non-zero content (zero-filled pages equal to the base would not count as changed)."""
+    await sbx.envd.start_background(
+        f"python3 -c \"import time; x = bytearray(b'\\xa5') * ({size} << 20); "
+        f"open('/tmp/dirty-ready', 'w').close(); time.sleep(3600)\"")
+    deadline = time.monotonic() + 300
+    while (await sbx.envd.run("test -e /tmp/dirty-ready")).exit_code != 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the guest did not finish dirtying memory")
+        await asyncio.sleep(0.2)
+
+
 @dataclass
 class Sandbox:
     vm: QemuVM
@@ -293,16 +306,7 @@ class Bench:
             for i in range(reps):
                 (slot,) = await self.slots(1)
                 sbx, _ = await self.restore(template, slot, f"dirty{size}")
-                # One byte pattern repeated: distinct pages with non-zero content (zero-filled
-                # pages equal to the base would not count as changed).
-                await sbx.envd.start_background(
-                    f"python3 -c \"import time; x = bytearray(b'\\xa5') * ({size} << 20); "
-                    f"open('/tmp/dirty-ready', 'w').close(); time.sleep(3600)\"")
-                deadline = time.monotonic() + 300
-                while (await sbx.envd.run("test -e /tmp/dirty-ready")).exit_code != 0:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError("the guest did not finish dirtying memory")
-                    await asyncio.sleep(0.2)
+                await dirty_guest(sbx, size)
                 info = await sbx.vm.snapshot(self.root / f"dirty-{mib}-{size}-{i}", stop=True)
                 rows.append({"freeze_ms": ms(info.freeze_s), "total_ms": ms(info.total_s),
                              "memory_mib": round(info.memory_bytes / MIB, 1),

@@ -61,3 +61,10 @@ async def world_client(files_dir: Path) -> AsyncIterator[tuple[World, httpx.Asyn
     transport = httpx.ASGITransport(world.app, raise_app_exceptions=False)
     async with httpx.AsyncClient(transport=transport, base_url="http://t", headers=AUTH) as c:
         yield world, c
+
+
+async def new_sandbox(c: httpx.AsyncClient) -> str:
+    """A sandbox from ``base`` made through the client's app; its id."""
+    r = await c.post("/v2/sandboxes", json={"templateID": "base"})
+    assert r.status_code == 201, r.text
+    return str(r.json()["sandboxID"])

@@ -27,7 +27,7 @@ from aenv.runtime.base import BootError, NotSupportedError, SnapshotError, VMExi
 from aenv.storage.errors import CommandFailed, ImageError
 from aenv.storage.snapshot_store import SnapshotMissing
 from aenv.storage.snapshots import SnapshotFilesError
-from tests.api.api_world import world_client
+from tests.api.api_world import new_sandbox
 from tests.conftest import free_port
 
 SECRET = "/var/lib/aenv/secret-home"  # in every exception's text; must never reach a client
@@ -120,21 +120,9 @@ async def test_the_body_on_the_wire_is_json() -> None:
 
 # -- through the real routes: the orchestrator lets a machine's error escape -----------------
 
-@pytest.fixture
-async def api(tmp_path):
-    async with world_client(tmp_path / "build-files") as (world, c):
-        yield world, c
-
-
-async def _sandbox(c: httpx.AsyncClient) -> str:
-    r = await c.post("/v2/sandboxes", json={"templateID": "base"})
-    assert r.status_code == 201, r.text
-    return r.json()["sandboxID"]
-
-
 async def test_a_failed_snapshot_is_a_500_not_plain_text(api) -> None:
     world, c = api
-    sid = await _sandbox(c)
+    sid = await new_sandbox(c)
 
     async def snapshot(rec, ref) -> None:
         raise SnapshotError(SECRET, vmm_log_tail=SECRET)
@@ -147,7 +135,7 @@ async def test_a_failed_snapshot_is_a_500_not_plain_text(api) -> None:
 
 async def test_a_refused_ruleset_is_a_500_not_a_400(api) -> None:
     world, c = api
-    sid = await _sandbox(c)
+    sid = await new_sandbox(c)
 
     async def update_network(rec) -> None:
         raise NftError(SECRET, stderr=SECRET)
@@ -159,7 +147,7 @@ async def test_a_refused_ruleset_is_a_500_not_a_400(api) -> None:
 
 async def test_a_bug_while_killing_is_an_internal_error(api) -> None:
     world, c = api
-    sid = await _sandbox(c)
+    sid = await new_sandbox(c)
 
     async def stop(rec) -> None:
         raise KeyError(SECRET)
@@ -171,7 +159,7 @@ async def test_a_bug_while_killing_is_an_internal_error(api) -> None:
 async def test_a_snapshot_name_already_taken_is_a_409(api) -> None:
     """Found by the fuzz: the store's NameTaken escaped as a 500."""
     _, c = api
-    sid = await _sandbox(c)
+    sid = await new_sandbox(c)
     r = await c.post(f"/sandboxes/{sid}/snapshots", json={"name": "base"})
     assert r.status_code == 409, r.text
     assert r.json() == {"code": 409, "message": "name 'base' is already used by template base"}
@@ -213,7 +201,7 @@ def test_public_error_is_what_an_answer_would_carry() -> None:
 async def test_a_fork_whose_children_fail_does_not_show_the_vmm_log(api) -> None:
     """Found by the fuzz."""
     world, c = api
-    sid = await _sandbox(c)
+    sid = await new_sandbox(c)
 
     async def start(rec, template):
         raise BootError(SECRET, vmm_log_tail=SECRET)

@@ -10,13 +10,6 @@ import pytest
 
 from aenv.network.policy import DEFAULT_DNS_SERVERS
 from aenv.orchestrator.node import egress_policy
-from tests.api.api_world import world_client
-
-
-@pytest.fixture
-async def api(tmp_path):
-    async with world_client(tmp_path / "build-files") as (world, c):
-        yield world, c
 
 
 async def _create(c: httpx.AsyncClient, network: dict) -> httpx.Response:

@@ -8,26 +8,13 @@ from __future__ import annotations
 import asyncio
 
 import httpx
-import pytest
 
 from aenv.orchestrator.timing import parse_server_timing
-from tests.api.api_world import world_client
+from tests.api.api_world import new_sandbox
 
 # Finer phases a capture step reports within itself (``Orchestrator.snapshot``).
 NESTED = {"plan_files", "plan_drives", "plan_status", "memory_scan", "memory_prepare",
           "memory_copy", "commit_compact", "commit_durable"}
-
-
-@pytest.fixture
-async def api(tmp_path):
-    async with world_client(tmp_path / "build-files") as (world, c):
-        yield world, c
-
-
-async def _sandbox(c: httpx.AsyncClient) -> str:
-    r = await c.post("/v2/sandboxes", json={"templateID": "base"})
-    assert r.status_code == 201, r.text
-    return str(r.json()["sandboxID"])
 
 
 def _timing(r: httpx.Response) -> tuple[dict[str, float], float]:
@@ -46,7 +33,7 @@ def _adds_up(phases: dict[str, float], total: float) -> None:
 
 async def test_a_snapshot_answer_times_the_whole_request(api) -> None:
     _, c = api
-    sid = await _sandbox(c)
+    sid = await new_sandbox(c)
     r = await c.post(f"/sandboxes/{sid}/snapshots", json={})
     assert r.status_code == 201, r.text
     phases, total = _timing(r)
@@ -57,7 +44,7 @@ async def test_a_snapshot_answer_times_the_whole_request(api) -> None:
 
 async def test_a_snapshot_answer_names_the_machines_phases_instead_of_their_whole(api) -> None:
     world, c = api
-    sid = await _sandbox(c)
+    sid = await new_sandbox(c)
 
     async def snapshot(rec, ref) -> dict[str, float]:
         await asyncio.sleep(0.05)
@@ -74,7 +61,7 @@ async def test_a_snapshot_answer_names_the_machines_phases_instead_of_their_whol
 
 async def test_a_pause_answer_times_the_whole_request(api) -> None:
     world, c = api
-    sid = await _sandbox(c)
+    sid = await new_sandbox(c)
 
     async def pause(rec, memory, ref) -> dict[str, float]:
         await asyncio.sleep(0.03)

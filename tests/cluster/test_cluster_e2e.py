@@ -133,6 +133,17 @@ def serve_nodes(stack: contextlib.ExitStack, root: Path, redis: RedisServer,
     return servers
 
 
+@contextlib.contextmanager
+def sdk_at_gateway(url: str) -> Iterator[None]:
+    """The E2B SDKs' environment pointed at a gateway: API, sandboxes and volume content."""
+    with pytest.MonkeyPatch.context() as mp:
+        for var in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_VOLUME_API_URL"):
+            mp.setenv(var, url)
+        mp.setenv("E2B_API_KEY", GATEWAY_KEY)
+        mp.delenv("E2B_DOMAIN", raising=False)
+        yield
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("cluster")
@@ -142,11 +153,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         nodes = serve_nodes(stack, root, redis, (("c1", "aenvc1", 71), ("c2", "aenvc2", 73)),
                             {"AENV_SHARED_STORE": str(shared)})
         url = stack.enter_context(gateway(redis, root / "gateway"))
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("E2B_API_KEY", GATEWAY_KEY)
-            mp.setenv("E2B_API_URL", url)
-            mp.setenv("E2B_SANDBOX_URL", url)
-            mp.delenv("E2B_DOMAIN", raising=False)
+        with sdk_at_gateway(url):
             yield Cluster(redis, nodes, url, shared)
 
 

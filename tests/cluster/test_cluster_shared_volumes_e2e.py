@@ -21,27 +21,23 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
 from e2b import Sandbox, Volume
 
 from tests.cluster.redis_server import running_redis
-from tests.cluster.test_cluster_e2e import GATEWAY_KEY, Gatewayed, gateway, serve_nodes
+from tests.cluster.test_cluster_e2e import Cluster as SharedCluster
+from tests.cluster.test_cluster_e2e import (
+    gateway,
+    sdk_at_gateway,
+    serve_nodes,
+)
 
 pytestmark = [pytest.mark.vm, pytest.mark.net, pytest.mark.timeout(1200)]
 
 
-@dataclass
-class Cluster(Gatewayed):
-    shared: Path
-
-    def statuses(self) -> dict[str, str]:
-        with self.api() as c:
-            return {n["nodeID"]: n["status"] for n in c.get("/nodes").json()}
-
+class Cluster(SharedCluster):
     def on(self, node_id: str) -> httpx.Client:
         """A client of one node's own API."""
         node = self.nodes[node_id]
@@ -59,11 +55,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                             (("w1", "aenvcw1", 171), ("w2", "aenvcw2", 173)),
                             {"AENV_SHARED_STORE": str(shared)})
         url = stack.enter_context(gateway(redis_srv, root / "gateway"))
-        with pytest.MonkeyPatch.context() as mp:
-            for var in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_VOLUME_API_URL"):
-                mp.setenv(var, url)
-            mp.setenv("E2B_API_KEY", GATEWAY_KEY)
-            mp.delenv("E2B_DOMAIN", raising=False)
+        with sdk_at_gateway(url):
             yield Cluster(redis_srv, nodes, url, shared)
 
 

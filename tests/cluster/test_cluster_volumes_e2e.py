@@ -33,7 +33,12 @@ import pytest
 from e2b import Sandbox, Secret, Volume
 
 from tests.cluster.redis_server import running_redis
-from tests.cluster.test_cluster_e2e import GATEWAY_KEY, Gatewayed, gateway, serve_nodes
+from tests.cluster.test_cluster_e2e import (
+    Gatewayed,
+    gateway,
+    sdk_at_gateway,
+    serve_nodes,
+)
 from tests.conftest import ROOT, run_json_script
 from tests.network.egress_world import Internet
 
@@ -72,11 +77,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                             {"AENV_EGRESS_HOSTS": str(inet.hosts),
                              "AENV_EGRESS_UPSTREAM_CA": str(inet.ca_file)})
         url = stack.enter_context(gateway(redis_srv, root / "gateway"))
-        with pytest.MonkeyPatch.context() as mp:
-            for var in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_VOLUME_API_URL"):
-                mp.setenv(var, url)
-            mp.setenv("E2B_API_KEY", GATEWAY_KEY)
-            mp.delenv("E2B_DOMAIN", raising=False)
+        with sdk_at_gateway(url):
             yield Cluster(redis_srv, nodes, url, inet)
 
 

@@ -17,15 +17,22 @@ def _paths(tmp_path: Path) -> tuple[str, str]:
     return str(tmp_path / "certs" / "bundle.crt"), str(tmp_path / "local" / "aenv.crt")
 
 
+def _public_bundle(tmp_path: Path) -> tuple[str, str]:
+    """Paths as ``_paths``, the bundle holding a public root (an image with
+    ``ca-certificates``)."""
+    bundle, source = _paths(tmp_path)
+    Path(bundle).parent.mkdir(parents=True)
+    Path(bundle).write_text(PUBLIC_ROOT)
+    return bundle, source
+
+
 def _node_ca(tmp_path: Path) -> str:
     return EgressCA(tmp_path / "ca").pem
 
 
 def test_a_bundle_with_public_roots_gets_the_ca_once_and_all_three_variables(
         tmp_path: Path) -> None:
-    bundle, source = _paths(tmp_path)
-    Path(bundle).parent.mkdir(parents=True)
-    Path(bundle).write_text(PUBLIC_ROOT)
+    bundle, source = _public_bundle(tmp_path)
     pem = _node_ca(tmp_path)
     hooks = GuestHooks(enabled=True)
     first = hooks.trust_ca(pem, bundle, source)
@@ -67,9 +74,7 @@ def test_the_same_ca_again_does_not_read_the_bundle_while_it_is_unchanged(
 
     from aenv.envd import guest
 
-    bundle, source = _paths(tmp_path)
-    Path(bundle).parent.mkdir(parents=True)
-    Path(bundle).write_text(PUBLIC_ROOT)
+    bundle, source = _public_bundle(tmp_path)
     pem = _node_ca(tmp_path)
     hooks = GuestHooks(enabled=True)
     first = hooks.trust_ca(pem, bundle, source)
