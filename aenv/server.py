@@ -170,6 +170,8 @@ class Server:
         self.metrics = MetricsCollector(self.sandboxes, interval=self.options.metrics_interval)
         self.proxy = ProxyRouter(RouteTable(self._route))
         self.orchestrator.on_stop.append(self.proxy.forget)
+        if self.volumes.shared is not None:
+            self.orchestrator.on_stop.append(self.volumes.sandbox_stopped)
         self.orchestrator.shared_volumes = self.volumes.shared
         self.api_key, self.api_key_file = load_api_key(settings.secrets_dir, settings.api_key)
 

@@ -133,6 +133,17 @@ class Volumes:
         if self.shared is not None:
             self.shared.publish_users(self._users_here())
 
+    async def sandbox_stopped(self, sandbox_id: str) -> None:
+        """An ``Orchestrator.on_stop`` hook: a sandbox of this node ended, so its users file
+        says so now, not at the next refresh (a delete right after a kill, sent to another
+        node, would otherwise be refused for up to ``USERS_REFRESH_S``)."""
+        if self.shared is None:
+            return
+        try:
+            await asyncio.to_thread(self.publish_users)
+        except OSError as e:  # the next refresh says it (``keep_users``)
+            log.warning("cannot write this node's volume users to the shared store: %s", e)
+
     async def keep_users(self) -> None:
         """Rewrite this node's users file every ``USERS_REFRESH_S``, until cancelled."""
         while True:

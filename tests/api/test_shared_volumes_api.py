@@ -133,6 +133,20 @@ def test_a_delete_waits_for_every_nodes_sandboxes_and_creates(
     assert n1.call("DELETE", f"/volumes/{vid}").status_code == 204
 
 
+def test_a_sandbox_that_ends_frees_its_volume_at_once_on_every_node(
+        nodes: tuple[Node, Node]) -> None:
+    """The server hooks ``sandbox_stopped`` to every end (``Orchestrator.on_stop``): a
+    delete sent to another node right after a kill does not wait for the next refresh."""
+    n1, n2 = nodes
+    vid = n1.call("POST", "/volumes", json={"name": "data"}).json()["volumeID"]
+    _mounting(n2, "killed-on-n2", vid, SandboxState.RUNNING)
+    assert n1.call("DELETE", f"/volumes/{vid}").status_code == 409
+    assert n2.sandboxes.transition("killed-on-n2", [SandboxState.RUNNING], SandboxState.KILLING)
+    assert n2.sandboxes.transition("killed-on-n2", [SandboxState.KILLING], SandboxState.KILLED)
+    asyncio.run(n2.volumes.sandbox_stopped("killed-on-n2"))
+    assert n1.call("DELETE", f"/volumes/{vid}").status_code == 204
+
+
 def test_a_create_cannot_mount_a_volume_being_deleted(nodes: tuple[Node, Node]) -> None:
     n1, n2 = nodes
     vid = n1.call("POST", "/volumes", json={"name": "data"}).json()["volumeID"]
