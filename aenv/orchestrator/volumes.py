@@ -137,20 +137,21 @@ class Volumes:
         """An ``Orchestrator.on_stop`` hook: a sandbox of this node ended, so its users file
         says so now, not at the next refresh (a delete right after a kill, sent to another
         node, would otherwise be refused for up to ``USERS_REFRESH_S``)."""
-        if self.shared is None:
-            return
+        if self.shared is not None:
+            await self._publish_users_logged()
+
+    async def _publish_users_logged(self) -> None:
+        """``publish_users`` off the event loop; a failure to write is logged, not raised:
+        the next refresh (``keep_users``) says it."""
         try:
             await asyncio.to_thread(self.publish_users)
-        except OSError as e:  # the next refresh says it (``keep_users``)
+        except OSError as e:
             log.warning("cannot write this node's volume users to the shared store: %s", e)
 
     async def keep_users(self) -> None:
         """Rewrite this node's users file every ``USERS_REFRESH_S``, until cancelled."""
         while True:
-            try:
-                await asyncio.to_thread(self.publish_users)
-            except OSError as e:
-                log.warning("cannot write this node's volume users to the shared store: %s", e)
+            await self._publish_users_logged()
             await asyncio.sleep(USERS_REFRESH_S)
 
     async def release(self, mounts: list[dict[str, str]]) -> None:
@@ -162,10 +163,7 @@ class Volumes:
             self._pending[m["volumeID"]] -= 1
             if self._pending[m["volumeID"]] <= 0:
                 del self._pending[m["volumeID"]]
-        try:
-            await asyncio.to_thread(self.publish_users)
-        except OSError as e:  # the next refresh says it (``keep_users``)
-            log.warning("cannot write this node's volume users to the shared store: %s", e)
+        await self._publish_users_logged()
 
     async def delete(self, volume_id: str) -> None:
         if self.shared is not None:
