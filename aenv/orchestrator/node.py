@@ -17,12 +17,16 @@ that arrives meanwhile (``Settings.resume_in_place``) continues that VMM in plac
 becomes ``memory.abandoned``, the drives are the VM's again), QMP ``cont``, envd's
 ``/init``; same slot, address and working directory; the abandoned snapshot is collected
 once the record no longer names it. A resume that finds the write already committing
-waits for it, then restores as usual. A kill meanwhile lets the write finish; collection
-keeps the snapshot until then. After a restart ``prepare`` keeps such a VMM and its slot
-and writes the memory from it (``_adopt_pending``); when the VMM did not survive, the
-marker stays and a resume is refused with that reason (``_memory_written``), never made
-from a half-written layer. An abandoned marker's VMM and slot are kept too, and a
-``resuming`` record is finished in place (``recover_in_place``) or lost with its VMM.
+waits for it, then restores as usual. A kill meanwhile (or any end of the record) leaves
+the VMM to collection, which abandons a write whose snapshot nothing names any more
+(``_drop_unnamed_writes``: the VMM ends, its slot and directory are released; a pause
+snapshot is only ever named by its own sandbox's record and by pins of operations on it)
+and keeps the snapshot of a write it cannot abandon until the write has finished. After
+a restart ``prepare`` keeps a pausing VMM and its slot and writes the memory from it
+(``_adopt_pending``); when the VMM did not survive, the marker stays and a resume is
+refused with that reason (``_memory_written``), never made from a half-written layer. An
+abandoned marker's VMM and slot are kept too, and a ``resuming`` record is finished in
+place (``recover_in_place``) or lost with its VMM.
 """
 
 from __future__ import annotations
@@ -159,8 +163,9 @@ class NodeMachines:
         self.settings = settings
         self.kernel_flavor = kernel_flavor
         # VMMs confined under this server's name prefix (own uid, seccomp, chroot, cgroup).
-        self.runtime = get_runtime(settings.runtime,
-                                   confinement=Confinement.from_settings(settings))
+        self.runtime = get_runtime(
+            settings.runtime, confinement=Confinement.from_settings(settings),
+            track_writes=settings.native_dir if settings.track_writes else None)
         # Only the server's own (marked) connections reach a sandbox's host address: the
         # proxy, envd and metrics clients mark theirs (client.http, network.access). Taps
         # belong to the VMMs' group, which a jailed Firecracker opens them as.
@@ -655,7 +660,9 @@ class NodeMachines:
             await running.vm.stop()
             await asyncio.to_thread(self._release, running.slot)
         elif rec.vm_dir and self._writing_from(Path(rec.vm_dir)):
-            return  # a pause's memory write owns that VMM, slot and directory (_finish_pause)
+            # A pause's memory write owns that VMM, slot and directory (_finish_pause),
+            # until collection, which abandons it once nothing names its snapshot.
+            return
         elif rec.slot is not None and rec.slot not in self.in_use():
             await self._stop_orphan(rec, rec.slot)
         if rec.vm_dir:
@@ -1095,10 +1102,13 @@ class NodeMachines:
     async def collect(self, roots: Callable[[], set[str]]) -> int:
         async with self._snapshot_lock:
             try:
+                keep = roots()
+                dropped = await self._drop_unnamed_writes(keep)
                 removed = await asyncio.to_thread(
                     snapshot_store.collect, self.settings.snapshots_dir,
                     self.settings.layers_dir,
-                    roots() | {str(ImageRef.snapshot(name)) for name in self._pending})
+                    keep | {str(ImageRef.snapshot(name)) for name in self._pending
+                            if name not in dropped})
                 # The cached empty overlays of what was just deleted go with it.
                 await asyncio.to_thread(disks.prune_overlay_cache, self.settings.vms_dir)
             except snapshot_store.DependenciesUnknown as e:
@@ -1107,6 +1117,39 @@ class NodeMachines:
         if removed and self.vmm_pool is not None:  # a deleted template's VMMs go too
             await self.vmm_pool.prune()
         return len(removed)
+
+    async def _drop_unnamed_writes(self, keep: set[str]) -> set[str]:
+        """Abandon every deferred pause's memory write whose snapshot is not in ``keep``
+        (collection's roots: no live record names it and no operation pinned it, as after
+        a kill of the paused sandbox): its VMM ends, its slot and working directory are
+        released now, not after a write nobody would read. Returns the snapshot names
+        dropped (collectable at once). A write already committing (``abandon`` is False)
+        finishes as usual and is collected at a later pass; a deferred pause of a driver
+        that cannot abandon, likewise."""
+        dropped: set[str] = set()
+        for name, (deferred, slot) in list(self._deferred.items()):
+            if str(ImageRef.snapshot(name)) in keep:
+                continue
+            try:
+                if not await deferred.abandon():
+                    continue
+            except Exception:
+                log.exception("snapshot %s: abandoning its unused memory write failed; "
+                              "the write goes on", name)
+                continue
+            workdir = self._pending_workdirs.get(name, deferred.vm.workdir)
+            if self._deferred.get(name, (None,))[0] is deferred:
+                self._deferred.pop(name, None)
+                self._pending_workdirs.pop(name, None)
+            await deferred.vm.stop()
+            await asyncio.to_thread(wd.remove, workdir)
+            if slot is not None:
+                await asyncio.to_thread(self._release, slot)
+            dropped.add(name)
+            log.info("snapshot %s: named by nothing any more (its sandbox ended), its "
+                     "memory write abandoned and its VMM ended", name,
+                     extra={"op": "pause_memory"})
+        return dropped
 
     def _disk_of(self, rec: SandboxRecord, running: _Running) -> Disk:
         """The root disk file the VM writes now: after a running snapshot that is a new

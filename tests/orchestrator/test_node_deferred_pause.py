@@ -1,7 +1,8 @@
 """A pause that answers before its memory is written (``NodeMachines``'s deferred pause):
-the sandbox is ``paused`` at once, a resume waits for the write, a kill meanwhile does not
-let collection delete the snapshot under it, and a snapshot whose write never finished is
-refused with the reason. A resume while the write is pending continues the frozen VM in
+the sandbox is ``paused`` at once, a resume waits for the write, a kill meanwhile abandons
+the write (unless it is committing, or something else still names the snapshot: then
+collection waits for it), and a snapshot whose write never finished is refused with the
+reason. A resume while the write is pending continues the frozen VM in
 place (``_resume_in_place``) and abandons the snapshot: raced against the write's commit,
 against another resume, after a kill, and cut by a restart (``recover_in_place``). The
 machines, store and orchestrator are real; the VM is a stand-in whose memory write waits
@@ -131,18 +132,53 @@ async def test_a_pause_answers_before_its_memory_and_a_resume_waits_for_it(node)
     assert not machines._pending and not Path(rec.vm_dir).exists()
 
 
-async def test_a_kill_during_the_write_does_not_collect_the_snapshot_under_it(node) -> None:
+async def test_a_kill_during_the_write_abandons_it_and_frees_the_vm_at_once(node) -> None:
     orch, machines, settings = node
+    released = count_releases(machines)
     rec, vm = deferring_sandbox(orch, machines, settings)
     await orch.pause(rec.id)
     directory = snapshot_store.directory(settings.snapshots_dir, orch.get(rec.id).snapshot_id)
     await orch.kill(rec.id)
-    await orch.collect_garbage()
+    assert vm.deferred is not None and vm.deferred.abandons == [True]
+    assert "stop" in vm.calls and released == [7] and not Path(rec.vm_dir).exists()
+    assert not directory.exists(), "the killed sandbox's pause snapshot was kept"
+    assert not machines._deferred and not machines._pending_workdirs
+    await asyncio.wait_for(asyncio.gather(*machines._pending.values()), 5)
+    assert not vm.deferred.done and released == [7]
+
+
+async def test_a_kill_as_the_write_commits_lets_it_finish_then_collects_it(node) -> None:
+    orch, machines, settings = node
+    released = count_releases(machines)
+    rec, vm = deferring_sandbox(orch, machines, settings)
+    await orch.pause(rec.id)
+    directory = snapshot_store.directory(settings.snapshots_dir, orch.get(rec.id).snapshot_id)
+    assert vm.deferred is not None
+    vm.deferred.committing = True  # the write closed its gate: too late to abandon
+    await orch.kill(rec.id)
+    assert vm.deferred.abandons == [False]
     assert snapshot_store.is_complete(directory), "collected while its memory was written"
     assert Path(rec.vm_dir).exists(), "the kill removed the directory of the VMM being read"
-    assert vm.deferred is not None
     vm.deferred.go.set()
     await asyncio.wait_for(asyncio.gather(*machines._pending.values()), 5)
+    assert vm.deferred.done and released == [7] and not Path(rec.vm_dir).exists()
+    await orch.collect_garbage()
+    assert not directory.exists()
+
+
+async def test_a_kill_during_the_write_keeps_a_snapshot_something_else_names(node) -> None:
+    orch, machines, settings = node
+    rec, vm = deferring_sandbox(orch, machines, settings)
+    await orch.pause(rec.id)
+    ref = orch.get(rec.id).snapshot_id
+    directory = snapshot_store.directory(settings.snapshots_dir, ref)
+    with orch.pins.hold(ref):  # an operation still reads it (as a restore's pin)
+        await orch.kill(rec.id)
+        assert vm.deferred is not None and vm.deferred.abandons == []
+        assert snap.memory_pending(directory) and Path(rec.vm_dir).exists()
+        vm.deferred.go.set()
+        await asyncio.wait_for(asyncio.gather(*machines._pending.values()), 5)
+        assert vm.deferred.done and snapshot_store.is_complete(directory)
     await orch.collect_garbage()
     assert not directory.exists()
 
@@ -252,10 +288,10 @@ async def test_a_kill_during_the_write_leaves_nothing_to_resume_in_place(node) -
     await orch.kill(rec.id)
     with pytest.raises(SandboxNotFound):
         await orch.resume(rec.id, timeout=60)
-    assert vm.deferred is not None and vm.deferred.abandons == []
-    vm.deferred.go.set()
+    assert vm.deferred is not None and vm.deferred.abandons == [True]  # by the kill
+    assert "resume" not in vm.calls and "stop" in vm.calls
     await asyncio.wait_for(asyncio.gather(*machines._pending.values()), 5)
-    assert vm.deferred.done and released == [7] and not Path(rec.vm_dir).exists()
+    assert released == [7] and not Path(rec.vm_dir).exists()
     assert not machines._deferred and not machines._pending_workdirs
 
 
