@@ -425,6 +425,11 @@ class Settings(_Declared):
         "AENV_SNAPSHOT_BASE", True, flag="--snapshot-base/--no-snapshot-base",
         doc="keep the `base` template as a snapshot, so creates restore instead of "
             "booting")
+    track_writes: bool = setting(
+        "AENV_TRACK_WRITES", True,
+        doc="QEMU: restored VMs record which guest pages they write (userfaultfd, Linux "
+            "6.7+; a small library built with the host's C compiler), so a snapshot copies "
+            "only what changed since the last one; `0`: compare every written page")
     pause_memory_in_background: bool = setting(
         "AENV_PAUSE_MEMORY_IN_BACKGROUND", True,
         doc="a pause answers once device state and disk are saved; guest memory is "
@@ -513,6 +518,11 @@ class Settings(_Declared):
     @cached_property
     def artifacts(self) -> Path:
         return self.cache_home or self.home
+
+    @cached_property
+    def native_dir(self) -> Path:
+        """Libraries built on this host from the package's C sources (write tracking)."""
+        return self.artifacts / "native"
 
     @cached_property
     def kernels_dir(self) -> Path:

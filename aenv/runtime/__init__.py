@@ -8,6 +8,7 @@ accelerator and why, QMP library, what Firecracker lacks) as rows for ``aenv doc
 from __future__ import annotations
 
 from importlib import metadata
+from pathlib import Path
 
 from .base import (
     VM,
@@ -58,13 +59,15 @@ __all__ = [
 RUNTIMES = ("qemu", "firecracker")
 
 
-def get_runtime(name: str, *, confinement: Confinement | None = None) -> Runtime:
+def get_runtime(name: str, *, confinement: Confinement | None = None,
+                track_writes: Path | None = None) -> Runtime:
     """The driver called ``name`` (``Settings.runtime``). ``confinement``: how its VMMs are
-    confined (default ``Confinement()``; a server passes ``Confinement.from_settings``)."""
+    confined (default ``Confinement()``; a server passes ``Confinement.from_settings``).
+    ``track_writes``: QEMU's, see ``QemuRuntime`` (Firecracker tracks dirty pages itself)."""
     if name == "qemu":
         from .qemu import QemuRuntime
 
-        return QemuRuntime(confinement=confinement)
+        return QemuRuntime(confinement=confinement, track_writes=track_writes)
     if name == "firecracker":
         from .firecracker import FirecrackerRuntime
 

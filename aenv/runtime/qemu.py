@@ -41,7 +41,7 @@ from typing import Any
 from qemu.qmp import EventListener, QMPClient, QMPError
 
 from ..phase_timer import PhaseTimer
-from . import confine, qemu_args, qemu_snapshot
+from . import confine, qemu_args, qemu_snapshot, write_tracking
 from . import workdir as wd
 from .base import (
     VM,
@@ -329,11 +329,14 @@ class QemuRuntime(Runtime):
     def __init__(self, *, accel: AccelChoice | None = None, binary: str | None = None,
                  max_chain: int = qemu_snapshot.DEFAULT_MAX_CHAIN,
                  confinement: Confinement | None = None,
-                 tcg_tb_mib: int | None = TCG_TB_MIB) -> None:
+                 tcg_tb_mib: int | None = TCG_TB_MIB,
+                 track_writes: Path | None = None) -> None:
         """``max_chain``: how many snapshot layers a VM's memory and drives may stack up
         before a snapshot compacts them (see ``qemu_snapshot``). ``confinement``: how VMMs
         are confined (default ``Confinement()``: everything the host allows).
-        ``tcg_tb_mib``: TCG's translation cache per VM (None: QEMU's default, 1 GiB)."""
+        ``tcg_tb_mib``: TCG's translation cache per VM (None: QEMU's default, 1 GiB).
+        ``track_writes``: where ``write_tracking``'s library is built, so that a restored
+        VM's snapshots copy only what it wrote since the last one (None: not tracked)."""
         if max_chain < 1:
             raise ValueError("max_chain must be >= 1")
         self._accel = accel
@@ -341,6 +344,7 @@ class QemuRuntime(Runtime):
         self._max_chain = max_chain
         self.confinement = confinement if confinement is not None else Confinement()
         self.tcg_tb_mib = tcg_tb_mib
+        self.track_writes = track_writes
 
     @property
     def accel(self) -> AccelChoice:
@@ -498,8 +502,12 @@ class QemuRuntime(Runtime):
                                    restored_from=snapshot_dir)
                 prep.mark("prepare")
                 spawn = PhaseTimer()  # boot_timings are seconds since the spawn
+                lib = (await asyncio.to_thread(write_tracking.library, self.track_writes)
+                       if self.track_writes is not None else None)
+                env = (write_tracking.launch_env(lib, spec.workdir / wd.BASE_MEMORY)
+                       if lib is not None else None)
                 process = await asyncio.to_thread(VMMProcess.spawn, argv, spec.workdir,
-                                                  spec.workdir / wd.VMM_LOG, (fd,))
+                                                  spec.workdir / wd.VMM_LOG, (fd,), env)
             finally:
                 os.close(fd)
         except BaseException:
@@ -513,7 +521,8 @@ class QemuRuntime(Runtime):
             qmp = await self._connect_qmp(spec, process)
             timings["qmp_ready"] = spawn.elapsed()
             await joined
-            await asyncio.to_thread(qemu_snapshot.apply_memory, process.pid, plan)
+            await asyncio.to_thread(qemu_snapshot.apply_memory, process.pid, plan,
+                                    track=env is not None)
             timings["memory_applied"] = spawn.elapsed()
             # While a migration is awaited, ``cont`` only sets QEMU's autostart: the vCPUs
             # then start as soon as the device state is loaded, with no round trip between.

@@ -77,16 +77,22 @@ capture (it promises a self-contained snapshot on return). Writable raw drives (
 hosts) are moved on pause and reflinked while frozen otherwise. Read-only drives are
 referenced, not copied.
 
-Caveat: a restored VM keeps every page it wrote since its restore private, so each later
-snapshot re-reads (and compares, but does not re-write) all of them: its freeze grows with
-everything written since the restore, its output only with what changed since the parent.
+Write tracking (``write_tracking``): a restored VM keeps every page it wrote since its
+restore private, so without help each later snapshot re-reads and compares all of them, and
+its freeze grows with everything written since the restore. QEMU started with the tracking
+library records its writes (userfaultfd write protection, asynchronous), and a capture whose
+record starts at its parent compares only the pages written since then; the record restarts
+at every capture and restore. A capture that compacts, or finds no valid record (after a
+failed capture, an abandoned deferred write, or without the library), compares every
+written page as before.
 
 Why not the alternatives QEMU 7.2 offers: a streaming migration (and ``background-snapshot``,
 which only shortens the freeze) writes all of RAM; ``x-ignore-shared`` skips only
 ``share=on`` RAM, which a restore cannot use without writing into the snapshot; the
 migration's dirty log exists only during a migration that sends the pages anyway, and
-``calc-dirty-rate`` estimates a rate, not a page set. Giving each VM its own reflinked RAM
-file mapped ``share=on`` would make pause O(1) with no diff at all, but needs XFS or btrfs
+``calc-dirty-rate`` estimates a rate, not a page set (hence ``write_tracking``). Giving
+each VM its own reflinked RAM file mapped ``share=on`` would make pause O(1) with no diff
+at all, but needs XFS or btrfs
 (this host's data dir is ext4, /dev/shm is tmpfs: neither reflinks).
 
 The VM's working directory records which snapshot it derives from and its active drive
@@ -125,7 +131,7 @@ from ..storage import snapshots as snap
 from ..storage.disks import DiskError, create_disk, reflink
 from ..storage.errors import StorageError
 from . import guest_memory as gm
-from . import machine_record, snapshot_recipe
+from . import machine_record, snapshot_recipe, write_tracking
 from . import workdir as wd
 from .base import (
     Accel,
@@ -380,6 +386,9 @@ class _MemoryResult:
     phases: dict[str, float] = field(default_factory=dict)
     # copy: of a booted VM's RAM file; full, diff: a restored VM's new layer; none: unchanged
     method: str = "copy"
+    # The VMM's write record (``write_tracking``) was started again by this capture: once
+    # the snapshot is committed, the record is "since this snapshot".
+    armed: bool = False
 
 
 def _capture_shared(workdir: Path, staging: Path) -> _MemoryResult:
@@ -494,19 +503,24 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> None:
 
 
 def _capture_private(pid: int, workdir: Path, staging: Path, parent: snap.Manifest,
-                     *, incremental: bool, max_chain: int,
+                     parent_dir: Path, *, incremental: bool, max_chain: int,
                      check: Callable[[], None] | None = None) -> _MemoryResult:
     """A restored VM: the pages it wrote, against its parent's layer stack (``check``:
-    ``_write_changed``'s)."""
+    ``_write_changed``'s). Only the pages written since the parent (``parent_dir``) was
+    taken, when ``write_tracking`` recorded them from then on; else every page written
+    since the restore. Either way the record starts again here (``_MemoryResult.armed``)."""
     t = PhaseTimer()
     size = parent.memory_size
     npages = size // PAGE
     layers = parent.layers
     mapping = gm.find_mapping(pid, workdir / wd.BASE_MEMORY, size)
-    runs = gm.private_runs(pid, mapping)
+    since = write_tracking.take(workdir, pid)
+    written = write_tracking.written_runs(pid, mapping)  # and protected again
+    compact = len(layers) > max_chain  # one more diff would exceed the limit
+    tracked = written is not None and since == parent_dir and incremental and not compact
+    runs = written if tracked and written is not None else gm.private_runs(pid, mapping)
     private = sum(n for _, n in runs)
     t.mark("scan")
-    compact = len(layers) > max_chain  # one more diff would exceed the limit
     full = not incremental or (compact and private > FULL_FRACTION * npages)
     ref_fds = [os.open(la.path, os.O_RDONLY) for la in layers]
     try:
@@ -526,15 +540,16 @@ def _capture_private(pid: int, workdir: Path, staging: Path, parent: snap.Manife
             os.close(fd)
     t.mark("copy")
     phases = t.phases
-    written = writer.pages * PAGE
+    armed = written is not None
+    nbytes = writer.pages * PAGE
     if full:
-        return _MemoryResult((layer,), written, True, phases, "full")
+        return _MemoryResult((layer,), nbytes, True, phases, "full", armed)
     base = (layers[0],) if compact else layers
     if layer.pages == 0:
         (staging / snap.MEMORY).unlink()
         (staging / snap.MEMORY_RUNS).unlink()
-        return _MemoryResult(base, 0, compact, phases, "none")
-    return _MemoryResult((*base, layer), written, compact, phases, "diff")
+        return _MemoryResult(base, 0, compact, phases, "none", armed)
+    return _MemoryResult((*base, layer), nbytes, compact, phases, "diff", armed)
 
 
 async def _switch_drive(vm: QemuVM, p: _DrivePlan, staging: Path) -> None:
@@ -758,9 +773,10 @@ class QemuCapture(CaptureSteps):
             self.deferred = True
         elif self.lineage.memory == "private":
             assert self.parent is not None
+            assert self.lineage.parent is not None
             self.mem = await asyncio.to_thread(
                 _capture_private, vm.pid, vm.workdir, self.staging, self.parent,
-                incremental=c.incremental, max_chain=self.max_chain)
+                self.lineage.parent, incremental=c.incremental, max_chain=self.max_chain)
         else:
             self.mem = await asyncio.to_thread(_capture_shared, vm.workdir, self.staging)
 
@@ -838,6 +854,8 @@ class QemuCapture(CaptureSteps):
                 self.lineage.tops[p.id] = p.new_top
         self.lineage.generation += 1
         self.lineage.save(self.vm.workdir)
+        if self.mem.armed:
+            write_tracking.remember(self.vm.workdir, self.vm.pid, c.directory)
 
 
 async def capture(vm: QemuVM, directory: Path, *, stop: bool, incremental: bool,
@@ -1017,7 +1035,7 @@ def _write_pending_memory(pid: int, workdir: Path, directory: Path, max_chain: i
     parent = snap.read_manifest(manifest.parent)
     for name in (snap.MEMORY, snap.MEMORY_RUNS):
         (directory / name).unlink(missing_ok=True)
-    mem = _capture_private(pid, workdir, directory, parent,
+    mem = _capture_private(pid, workdir, directory, parent, manifest.parent,
                            incremental=pending.incremental, max_chain=max_chain, check=check)
     t = PhaseTimer()
     for name in (snap.MEMORY, snap.MEMORY_RUNS):
@@ -1113,15 +1131,25 @@ def prepare_restore(snapshot_dir: Path, overrides: RestoreOverrides) -> RestoreP
     return RestorePlan(snapshot_dir, manifest, spec, m)
 
 
-def apply_memory(pid: int, plan: RestorePlan) -> int:
+def apply_memory(pid: int, plan: RestorePlan, *, track: bool = False) -> int:
     """Write the diff layers over the freshly mapped base, before the device state is
     loaded (virtio's load reads its rings from guest RAM); each page is written once, from
-    the newest layer that has it. Returns the pages written."""
+    the newest layer that has it. Returns the pages written. ``track``: the VMM was
+    started with ``write_tracking``'s library; its record then starts here, at the
+    restored snapshot (the pages just written are that snapshot's)."""
     layers = plan.manifest.layers
-    if len(layers) == 1:
-        return 0
     size = plan.manifest.memory_size
+    if len(layers) == 1 and not track:
+        return 0
     mapping = gm.find_mapping(pid, plan.spec.workdir / wd.BASE_MEMORY, size)
+    written = _write_layers(pid, mapping, layers, size) if len(layers) > 1 else 0
+    if track and write_tracking.arm(pid, mapping):
+        write_tracking.remember(plan.spec.workdir, pid, plan.snapshot_dir)
+    return written
+
+
+def _write_layers(pid: int, mapping: gm.Mapping, layers: tuple[snap.MemoryLayer, ...],
+                  size: int) -> int:
     owners = snap.owner_map(layers, size // PAGE)
     written = 0
     with gm.ProcessMemory(pid, mapping, write=True) as mem:

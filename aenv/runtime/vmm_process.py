@@ -19,6 +19,7 @@ import os
 import select
 import signal
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 
 
@@ -44,13 +45,16 @@ class VMMProcess:
 
     @classmethod
     def spawn(cls, argv: list[str], cwd: Path, log_path: Path,
-              pass_fds: tuple[int, ...] = ()) -> VMMProcess:
+              pass_fds: tuple[int, ...] = (), env: Mapping[str, str] | None = None
+              ) -> VMMProcess:
         """Start ``argv`` detached (blocking: call it from a worker thread in async code).
-        ``pass_fds`` keep their numbers in the VMM."""
+        ``pass_fds`` keep their numbers in the VMM; ``env`` is added to the server's
+        environment."""
         with open(log_path, "ab") as log_file:
             popen = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log_file,
                                      stderr=subprocess.STDOUT, start_new_session=True,
-                                     pass_fds=pass_fds)
+                                     pass_fds=pass_fds,
+                                     env={**os.environ, **env} if env else None)
         return cls(popen.pid, pidfd=os.pidfd_open(popen.pid), popen=popen)
 
     @classmethod

@@ -222,7 +222,7 @@ async def restore_guest(name: str, snapshot_dir: Path, settings: Settings, pool:
     workdir = settings.vms_dir / name
     vm: QemuVM | None = None
     try:
-        vm = await (runtime or QemuRuntime()).restore(
+        vm = await (runtime or QemuRuntime(track_writes=settings.native_dir)).restore(
             snapshot_dir, RestoreOverrides(vm_id=name, workdir=workdir, netns=slot.netns))
         await wait_for_envd(Guest.envd_url(slot.host_ip), 30, vm=vm)
         drive = vm.workdir / "rootfs.qcow2"

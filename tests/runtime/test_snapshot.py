@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from aenv.runtime import write_tracking
 from aenv.runtime.compaction import Compactor
 from aenv.runtime.qemu import QemuRuntime
 from aenv.storage import snapshots
@@ -216,11 +217,47 @@ async def test_a_vm_reattached_after_a_server_restart_still_snapshots_incrementa
     counter_advances(resumed, counter(resumed))
 
 
+async def test_a_tracked_vm_snapshots_only_what_it_wrote_since_its_last_snapshot(
+        origin: Origin, rt_settings, slot_pool, snap_dir) -> None:
+    """``write_tracking``: the second snapshot compares only the pages written after the
+    first, yet a fork of it has both the old and the new content."""
+    source = await restore_guest(VM_PREFIX + "s6", origin.snapshot, rt_settings, slot_pool,
+                                 origin.token)
+    try:
+        await _snapshots_twice_and_forks(source, origin, rt_settings, slot_pool, snap_dir)
+    finally:
+        await destroy_guest(source, slot_pool)
+
+
+async def _snapshots_twice_and_forks(source: Guest, origin: Origin, rt_settings, slot_pool,
+                                     snap_dir: Path) -> None:
+    vm, sbx = source.vm, source.sandbox()
+    sbx.commands.run("head -c 16777216 /dev/urandom > /dev/shm/kept", user="root")
+    kept = sbx.commands.run("md5sum < /dev/shm/kept").stdout.split()[0]
+    await vm.snapshot(snap_dir / "tracked1")
+    assert write_tracking.take(vm.workdir, vm.pid) == snap_dir / "tracked1"
+    write_tracking.remember(vm.workdir, vm.pid, snap_dir / "tracked1")  # as it was
+    sbx.commands.run("head -c 1048576 /dev/urandom > /dev/shm/new", user="root")
+    new = sbx.commands.run("md5sum < /dev/shm/new").stdout.split()[0]
+    info = await vm.snapshot(snap_dir / "tracked2")
+    m = snapshots.read_manifest(snap_dir / "tracked2")
+    assert m.layers[:-1] == snapshots.read_manifest(snap_dir / "tracked1").layers
+    assert 1 << 20 <= info.memory_bytes < 8 << 20  # the new file and what the guest did
+    assert (vm.workdir / write_tracking.TOKEN).exists()
+    (child,) = await fork(snap_dir / "tracked2", ["s6a"], origin.token, rt_settings, slot_pool)
+    try:
+        out = child.sandbox().commands.run("md5sum < /dev/shm/kept; md5sum < /dev/shm/new")
+        assert out.stdout.split()[::2] == [kept, new]
+        assert (child.vm.workdir / write_tracking.TOKEN).exists()  # armed at the restore
+    finally:
+        await destroy_guest(child, slot_pool)
+
+
 async def test_a_chain_deeper_than_the_limit_is_compacted_and_still_restores(
         origin: Origin, rt_settings, slot_pool, snap_dir) -> None:
     """Memory within the capture; the drive's chain in the background (``Compactor``),
     while the VM resumed from the snapshot being compacted runs, pauses and resumes on."""
-    runtime = QemuRuntime(max_chain=2)
+    runtime = QemuRuntime(max_chain=2, track_writes=rt_settings.native_dir)
     compactor = Compactor(runtime, asyncio.Lock(), release_after_s=0.0)
     guest = await restore_guest(VM_PREFIX + "s4", origin.snapshot, rt_settings, slot_pool,
                                 origin.token, runtime)
