@@ -167,7 +167,10 @@ class Server:
                                images=RegistryImages(settings, kernel_flavor=getattr(
                                    machines, "kernel_flavor", "cloud"))
                                if self.options.host_images else None)
-        self.metrics = MetricsCollector(self.sandboxes, interval=self.options.metrics_interval)
+        pool = getattr(machines, "pool", None)
+        self.metrics = MetricsCollector(  # no guest asked while a fork's children start
+            self.sandboxes, interval=self.options.metrics_interval,
+            hold=pool.fanning_out if pool is not None else None)
         self.proxy = ProxyRouter(RouteTable(self._route))
         self.orchestrator.on_stop.append(self.proxy.forget)
         if self.volumes.shared is not None:

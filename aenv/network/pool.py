@@ -234,6 +234,12 @@ class SlotPool:
                 self._last_busy = time.monotonic()
                 self._cv.notify_all()
 
+    def fanning_out(self) -> bool:
+        """Whether a fan-out's start (``starting(burst=True)``: a fork's children) is in
+        progress: what else would load the host then waits too (the metrics collector)."""
+        with self._cv:
+            return self._bursts > 0
+
     def stats(self) -> dict[str, int]:
         with self._cv:
             return {"warm": len(self._warm), "leased": len(self._leased),

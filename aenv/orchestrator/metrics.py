@@ -18,6 +18,13 @@ answer after repeats takes its ``cpuUsedPct`` the same way (envd's covers every 
 since it was last asked). A sandbox with no answer yet, no known VMM, a VMM that worked,
 a failed last answer, or whose last answer is ``REFRESH_S`` old is asked.
 
+While a fork's children start (``hold``: the node's ``SlotPool.fanning_out``, the signal
+that holds the slot pool's refill too) no guest is asked: the children already running
+would each answer with a cold envd (tens of ms of their VMM's CPU under TCG) on the two
+cores their siblings need to come up. Such a round only repeats idle guests' answers (read
+on the host) and takes no sample of the others; after ``HOLD_MAX_S`` of holding one round
+asks as usual, so fan-outs back to back cannot starve the history.
+
 A guest's root can answer anything, so nothing it sends is trusted. Each call is bounded
 by ``SAMPLE_TIMEOUT_S`` and by ``EnvdClient``'s ``METRICS_MAX_BYTES``; the answer must be
 a JSON object whose fields have their type, are finite and lie in range (``_parse``:
@@ -65,6 +72,9 @@ IDLE_CPU_MS_PER_S = 30.0
 # An idle guest is asked at least this often (seconds), so what slow changes below the
 # threshold add up to shows within minutes; ~0.15 ms/s of an idle VMM's host CPU.
 REFRESH_S = 300.0
+# Rounds are held (no guest asked) while a fan-out runs, for at most this long in a row
+# (seconds): a fork x16 under TCG takes ~10 s.
+HOLD_MAX_S = 60.0
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
 
@@ -135,8 +145,11 @@ def _parse(m: Any) -> dict[str, Any]:
 
 class MetricsCollector:
     def __init__(self, sandboxes: SandboxStore, interval: float = 5.0, keep: int = 720,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 hold: Callable[[], bool] | None = None) -> None:
         self.sandboxes, self.interval, self.keep, self.clock = sandboxes, interval, keep, clock
+        self.hold = hold  # whether a fan-out is starting on the node now (module doc)
+        self._held_since: float | None = None
         self._samples: dict[str, deque[dict[str, Any]]] = {}
         self._failing: set[str] = set()  # sandboxes whose last sample failed (and logged)
         # sandbox -> (VMM pid, its CPU seconds, clock) at the previous round
@@ -174,7 +187,7 @@ class MetricsCollector:
     async def collect_once(self) -> None:
         """Sample every running sandbox once: idle ones from their last answer, the others
         by asking, concurrently; each call is bounded by ``SAMPLE_TIMEOUT_S`` and none can
-        fail the round."""
+        fail the round. While a fan-out holds the round (``_held``) nobody is asked."""
         running = self.sandboxes.in_states((SandboxState.RUNNING,))
         live = {r.id for r in running}
         for gone in set(self._samples) - live:
@@ -186,6 +199,7 @@ class MetricsCollector:
             del self._cpu[gone]
         for gone in set(self._asked) - live:
             del self._asked[gone]
+        held = self._held()
         asks = []
         for r in running:
             if not r.host_ip:
@@ -193,10 +207,27 @@ class MetricsCollector:
             busy = self._vmm_busy(r.id, r.vm_pid)
             if busy is not None and self._may_repeat(r.id, busy):
                 self._repeat(r.id, busy)
+            elif held:
+                continue  # asked at the first round after the fan-out
             else:
                 after_repeats = busy if r.id in self._repeated else None
                 asks.append(self._sample(r.id, r.host_ip, r.envd_token, after_repeats))
         await asyncio.gather(*asks)
+
+    def _held(self) -> bool:
+        """Whether this round asks nobody: a fan-out is starting (``hold``). After
+        ``HOLD_MAX_S`` of held rounds one round asks as usual, then holding starts again."""
+        if self.hold is None or not self.hold():
+            self._held_since = None
+            return False
+        now = self.clock()
+        if self._held_since is None:
+            self._held_since = now
+            log.debug("metrics: a fan-out is starting; guests are not asked meanwhile")
+        if now - self._held_since >= HOLD_MAX_S:
+            self._held_since = now
+            return False
+        return True
 
     def _vmm_busy(self, sandbox_id: str, pid: int | None) -> float | None:
         """Host CPU ms per second the sandbox's VMM used since the previous round; None for

@@ -80,10 +80,12 @@ def test_a_forks_starts_hold_the_filler_past_the_deferral_cap(pool_factory, monk
     pool = pool_factory(warm=1)
     assert pool.wait_warm()
     with pool.starting(burst=burst):
+        assert pool.fanning_out() is burst  # what the metrics collector waits on too
         pool.acquire()
         time.sleep(1.6)  # past the cap
         stats = pool.stats()
         ended = time.monotonic()
+    assert not pool.fanning_out()
     if burst:
         assert stats["warm"] == 0 and stats["creating"] == 0, stats
         assert pool.wait_warm()

@@ -307,3 +307,48 @@ async def test_a_guest_whose_answer_failed_is_asked_again(
         assert len(asks) == 3
     finally:
         await collector.close()
+
+
+async def test_no_guest_is_asked_while_a_fan_out_starts(
+        world, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a fork's children start (``hold``: the slot pool's fan-out signal) the guests
+    already running are not asked — an idle one's answer is still repeated from the host's
+    side — and each is asked at the first round after; a hold longer than ``HOLD_MAX_S``
+    lets one round through."""
+    fakes, store = world
+    asks: list[str] = []
+    good = _json(json.dumps(GOOD).encode())
+    _running(store, "idle", await fakes.add(_counted(good, asks, "idle")), vm_pid=1001)
+    cpu = {1001: 0.0}
+    monkeypatch.setattr(metrics_module, "vmm_cpu_s", lambda pid: cpu.get(pid))
+    clock = _Clock()
+    fanning_out = False
+    collector = await _collector(fakes, store, monkeypatch, clock=clock)
+    collector.hold = lambda: fanning_out
+
+    async def round_(seconds: float = 5.0) -> None:
+        clock.now += seconds
+        await asyncio.wait_for(collector.collect_once(), _GUARD_S)
+
+    try:
+        await round_()
+        await round_()  # asked once, then idle: repeated
+        assert asks == ["idle"] and len(collector.samples("idle", None, None)) == 2
+        fanning_out = True
+        _running(store, "child", await fakes.add(_counted(good, asks, "child")), vm_pid=1002)
+        await round_()
+        await round_()
+        assert asks == ["idle"], "a guest was asked during the fan-out"
+        assert collector.samples("child", None, None) == []
+        assert len(collector.samples("idle", None, None)) == 4  # repeats go on
+        fanning_out = False
+        await round_()
+        assert asks == ["idle", "child"] and len(collector.samples("child", None, None)) == 1
+        fanning_out = True
+        await round_()
+        await round_(seconds=metrics_module.HOLD_MAX_S)  # held too long: this round asks
+        assert asks == ["idle", "child", "child"]
+        await round_()
+        assert asks == ["idle", "child", "child"]  # and holds again
+    finally:
+        await collector.close()
