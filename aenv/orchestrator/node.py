@@ -1125,7 +1125,8 @@ class NodeMachines:
         released now, not after a write nobody would read. Returns the snapshot names
         dropped (collectable at once). A write already committing (``abandon`` is False)
         finishes as usual and is collected at a later pass; a deferred pause of a driver
-        that cannot abandon, likewise."""
+        that cannot abandon, likewise. An abandon that fails ends the VMM all the same (as
+        ``_resume_in_place``'s: the write may have stopped, and would then release nothing)."""
         dropped: set[str] = set()
         for name, (deferred, slot) in list(self._deferred.items()):
             if str(ImageRef.snapshot(name)) in keep:
@@ -1133,10 +1134,9 @@ class NodeMachines:
             try:
                 if not await deferred.abandon():
                     continue
-            except Exception:
+            except Exception:  # the write may have stopped already: end the VM all the same
                 log.exception("snapshot %s: abandoning its unused memory write failed; "
-                              "the write goes on", name)
-                continue
+                              "its VMM is ended anyway", name)
             workdir = self._pending_workdirs.get(name, deferred.vm.workdir)
             if self._deferred.get(name, (None,))[0] is deferred:
                 self._deferred.pop(name, None)

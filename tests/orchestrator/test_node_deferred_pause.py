@@ -387,3 +387,23 @@ async def test_a_restart_tells_abandoned_pauses_from_pending_ones(node) -> None:
     snap.abandon_pending(root / "abandoned")
     assert [d.name for d, _ in machines._abandoned_pauses()] == ["abandoned"]
     assert [d.name for d, _ in machines._pending_pauses()] == ["pending"]
+
+
+async def test_a_kill_whose_abandon_fails_still_ends_the_vm_and_frees_its_slot(node) -> None:
+    orch, machines, settings = node
+    released = count_releases(machines)
+    rec, vm = deferring_sandbox(orch, machines, settings)
+    await orch.pause(rec.id)
+    assert vm.deferred is not None
+    deferred = vm.deferred
+
+    async def failing_abandon() -> bool:
+        deferred.abandons.append(True)
+        deferred.go.set()  # the write stops (its gate is abandoned), then the rename fails
+        raise OSError("no space left on device")
+
+    deferred.abandon = failing_abandon  # type: ignore[method-assign]
+    await orch.kill(rec.id)
+    await asyncio.wait_for(asyncio.gather(*machines._pending.values()), 5)
+    assert "stop" in vm.calls and released == [7] and not Path(rec.vm_dir).exists()
+    assert not machines._deferred and not deferred.done
