@@ -26,7 +26,8 @@ a restart ``prepare`` keeps a pausing VMM and its slot and writes the memory fro
 (``_adopt_pending``); when the VMM did not survive, the marker stays and a resume is
 refused with that reason (``_memory_written``), never made from a half-written layer. An
 abandoned marker's VMM and slot are kept too, and a ``resuming`` record is finished in
-place (``recover_in_place``) or lost with its VMM.
+place (``recover_in_place``) or lost with its VMM; a slot kept so that no recovery took is
+freed once the recovery is over (``recovered``).
 """
 
 from __future__ import annotations
@@ -200,6 +201,9 @@ class NodeMachines:
         # What a resume in place takes over from each (``_resume_in_place``): the write
         # (to abandon), and the slot its VMM still holds.
         self._deferred: dict[str, tuple[DeferredMemory, NetworkSlot | None]] = {}
+        # Slot indices ``prepare`` kept only for a resume in place to be finished
+        # (``recover_in_place``); what no recovery adopted is freed by ``recovered``.
+        self._in_place_slots: set[int] = set()
         self._pause_writes = asyncio.Semaphore(PAUSE_WRITES)
         self._console_task: asyncio.Task[None] | None = None
         # In a cluster with a shared store: pauses and snapshots are published there, and
@@ -229,11 +233,14 @@ class NodeMachines:
                                    if isinstance(p.note.get("slot"), int)}
         # Resumes in place a stopped server had begun: while a live record names the
         # VMM's directory (and it exists), its slot is kept for ``recover_in_place`` (or
-        # for ``reattach``, once the record says running).
-        keep_slots = keep_slots | {
+        # for ``reattach``, once the record says running). One kept for nothing else and
+        # not adopted by the end of the recovery is freed then (``recovered``).
+        in_place = {
             int(p.note["slot"]) for _, p in await asyncio.to_thread(self._abandoned_pauses)
             if isinstance(p.note.get("slot"), int) and p.vm_dir.name in keep_vms
             and p.vm_dir.is_dir()}
+        self._in_place_slots = in_place - keep_slots
+        keep_slots = keep_slots | in_place
         # A crashed server's pooled VMMs still wait in their slots: end them first.
         killed = await asyncio.to_thread(VMMPool.sweep, self.settings.vms_dir, keep_vms)
         if killed:
@@ -920,6 +927,10 @@ class NodeMachines:
                 "VM did not survive")
         if not isinstance(p.note.get("slot"), int):
             raise NotRestorable(f"{gone} (no slot recorded)")
+        if not p.vm_dir.is_dir():
+            # ``prepare`` did not keep the slot then: its index may be another's by now.
+            raise NotRestorable(f"{gone} (its working directory is gone)")
+        self._in_place_slots.discard(int(p.note["slot"]))
         try:
             slot = await asyncio.to_thread(self.pool.adopt, int(p.note["slot"]),
                                            egress_policy(rec))
@@ -947,6 +958,25 @@ class NodeMachines:
         except Exception as e:
             raise NotRestorable(f"{gone} (envd: {e})") from e
         return dataclasses.replace(placement, restored_from=parent)
+
+    async def recovered(self) -> None:
+        """After the orchestrator's recovery (``Orchestrator.recover``): free each slot
+        ``prepare`` kept only for a resume in place that no ``recover_in_place`` took.
+        Such a slot is kept whenever an abandoned snapshot names a VMM directory that a
+        live record names too; when that record is not resuming from that very snapshot
+        (the abandoned snapshot outlived its resume: a crash before its collection, or a
+        collection that failed, and the sandbox runs in another slot now), nothing adopts
+        it, and it stayed reserved, its network objects kept, until the next restart. An
+        index another sandbox leased meanwhile is left alone."""
+        unclaimed, self._in_place_slots = sorted(self._in_place_slots), set()
+        for index in unclaimed:
+            try:
+                slot = await asyncio.to_thread(self.pool.adopt, index)
+            except Exception:
+                continue  # leased by a sandbox it belongs to now, or gone (adopt freed it)
+            await asyncio.to_thread(self._release, slot)
+            log.info("slot %d: kept for a resume in place that no sandbox finishes; freed",
+                     index)
 
     def _writing_from(self, workdir: Path) -> bool:
         """Whether a pause still writes its memory from the VMM of ``workdir`` (its task

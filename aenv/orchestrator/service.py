@@ -901,6 +901,9 @@ class Orchestrator:
                 self._end(rec.id, SandboxState.LOST,
                           f"VM gone after server restart (was {rec.state})")
                 log.warning("sandbox %s: lost after restart (was %s)", rec.id, rec.state)
+        recovered = getattr(self.machines, "recovered", None)
+        if recovered is not None:  # slots kept for a resume in place that none finished
+            await recovered()
         await self.collect_garbage()
 
     async def _recover_in_place(self, rec: SandboxRecord) -> bool:

@@ -12,6 +12,7 @@ for the test (``Deferring``), envd's ``/init`` is counted, not sent.
 from __future__ import annotations
 
 import asyncio
+import shutil
 from pathlib import Path
 
 import pytest
@@ -407,3 +408,52 @@ async def test_a_kill_whose_abandon_fails_still_ends_the_vm_and_frees_its_slot(n
     await asyncio.wait_for(asyncio.gather(*machines._pending.values()), 5)
     assert "stop" in vm.calls and released == [7] and not Path(rec.vm_dir).exists()
     assert not machines._deferred and not deferred.done
+
+
+def adopting(machines: NodeMachines) -> list[int]:
+    """``pool.adopt`` of any index, counted (slot indices)."""
+    adopted: list[int] = []
+
+    def adopt(index: int, policy=None):
+        adopted.append(index)
+
+        class Slot:
+            host_ip = f"10.11.0.{index}"
+        Slot.index = index  # type: ignore[attr-defined]
+        return Slot()
+
+    machines.pool.adopt = adopt  # type: ignore[method-assign]
+    return adopted
+
+
+async def test_a_slot_kept_for_a_resume_in_place_nobody_finishes_is_freed_at_recovery(
+        node) -> None:
+    """``prepare`` keeps an abandoned snapshot's slot while a live record names its VMM's
+    directory; only ``recover_in_place`` (a record resuming from that snapshot) adopts it.
+    One no recovery took (the abandoned snapshot outlived its resume and the sandbox runs
+    in another slot now) is freed once the recovery is over, not reserved until the next
+    restart; the one a resume in place took stays its."""
+    orch, machines, settings = node
+    inits, released = count_inits(machines), count_releases(machines)
+    rec, _, _ = interrupted_in_place(orch, machines, settings, vm_alive=True)
+    adopted = adopting(machines)
+    machines._in_place_slots = {7, 5}  # 7: this resume's; 5: a stale abandoned snapshot's
+    await orch.recover()
+    assert orch.get(rec.id).state == "running" and orch.get(rec.id).slot == 7
+    assert inits == [rec.id]
+    assert adopted == [7, 5] and released == [5]
+    assert not machines._in_place_slots
+
+
+async def test_a_resume_in_place_whose_directory_is_gone_adopts_no_slot(node) -> None:
+    """Its slot was not kept (``prepare`` keeps it only while the VMM's directory exists):
+    the index may be a warm slot or another sandbox's by now, so it is not taken."""
+    orch, machines, settings = node
+    rec, _, _ = interrupted_in_place(orch, machines, settings, vm_alive=True)
+    adopted = adopting(machines)
+    shutil.rmtree(rec.vm_dir)
+    await orch.recover()
+    ended = orch.sandboxes.get(rec.id, live_only=False)
+    assert ended is not None and ended.state == "lost"
+    assert "working directory is gone" in ended.reason
+    assert adopted == []
