@@ -118,7 +118,9 @@ class Bench:
     def __init__(self, settings: Settings, pool: SlotPool, kernel, image, root: Path) -> None:
         self.settings, self.pool, self.kernel, self.image, self.root = (
             settings, pool, kernel, image, root)
-        self.runtime = QemuRuntime()
+        # As the server's node makes it (write tracking unless AENV_TRACK_WRITES=0).
+        self.runtime = QemuRuntime(
+            track_writes=settings.native_dir if settings.track_writes else None)
         self.token = secrets.token_hex(16)
         self.live: list[Sandbox] = []
         self._n = 0
