@@ -17,6 +17,11 @@ are killed before the next round.
 no queue, the node's behaviour before issue 21 (``--max-starting`` creates start, the rest
 get 429 at once). ``--max-starting`` and ``--max-sandboxes`` pass through to the servers.
 
+Per round, ``split``: where each created sandbox's start went, read from the server's log
+line for it (``aenv.api.views.log_start``): ``host`` (API, store, slot, VMM, state load:
+what a KVM host pays in full), ``guest`` (the guest's own execution, envd's ``/init``: what
+TCG slows) and ``queue`` (waiting behind the start limit), per create and summed.
+
 Output: one JSON object, milliseconds; ``latency_ms`` has n, p50, p99 (null below 100
 samples: use ``--rounds 2`` for 128), max. ``goal``: all ``--n`` created and answered within
 10 s (issue 21, for 64). The host has 2 shared cores, guests run under TCG, and other
@@ -28,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import sys
 import tempfile
 import time
@@ -75,12 +81,14 @@ async def one_burst(n: int, retries: int) -> dict[str, Any]:
                 log(f"{sbx.sandbox_id}: commands.run failed: {type(e).__name__}: {e}")
                 return False
 
+    ids = [s.sandbox_id for s in made]
     answered = await asyncio.gather(*(answers(s) for s in made))
     await asyncio.gather(*(s.kill() for s in made), return_exceptions=True)
     outcomes = Counter(r[0] for r in results)
     created_ms = [r[1] for r in results if r[0] == "created"]
     return {
         "outcomes": dict(outcomes),
+        "ids": ids,
         "answered": sum(answered),
         "created_ms": created_ms,
         "refused_ms": [r[1] for r in results if r[0] == "429"],
@@ -88,6 +96,26 @@ async def one_burst(n: int, retries: int) -> dict[str, Any]:
         "errors": sorted({r[3] for r in results if r[0] == "error"})[:5],
         "refusals": sorted({r[3] for r in results if r[0] == "429"})[:3],
     }
+
+
+# The server's line per start (aenv.api.views.log_start).
+STARTED = re.compile(r"sandbox (\S+): started in ([\d.]+) ms \(host ([\d.]+) ms, guest "
+                     r"([\d.]+) ms, queue ([\d.]+) ms\)")
+
+
+def split(log_text: str, ids: list[str]) -> dict[str, Any]:
+    """Where the created sandboxes' starts went, from the server's log: the host's work
+    (what a KVM host pays in full), the guest's execution (TCG-bound) and the queue, each
+    as a summary per create and as a sum over the burst."""
+    want = set(ids)
+    rows = [tuple(float(x) for x in m.groups()[1:]) for m in STARTED.finditer(log_text)
+            if m.group(1) in want]
+    out: dict[str, Any] = {"n": len(rows)}
+    for i, name in enumerate(("total", "host", "guest", "queue")):
+        values = [r[i] for r in rows]
+        out[f"{name}_ms"] = summary(values)
+        out[f"{name}_sum_s"] = round(sum(values) / 1000, 2)
+    return out
 
 
 def run_server(label: str, home: Path, net: int, args: argparse.Namespace,
@@ -106,6 +134,7 @@ def run_server(label: str, home: Path, net: int, args: argparse.Namespace,
                            "E2B_SANDBOX_URL": srv.url, "E2B_DOMAIN": "localhost"})
         for i in range(args.rounds):
             r = asyncio.run(one_burst(args.n, args.sdk_retries))
+            r["split"] = split(srv.log_path.read_text(errors="replace"), r.pop("ids"))
             rounds.append(r)
             log(f"[{label}] round {i + 1}/{args.rounds}: {r['outcomes']}, answered "
                 f"{r['answered']}, slowest {max(r['all_ms']):.0f} ms")
@@ -134,7 +163,8 @@ def run_server(label: str, home: Path, net: int, args: argparse.Namespace,
         "refused_latency_ms": summary([x for r in rounds for x in r["refused_ms"]]),
         "slowest_answer_ms": round(max(every), 1) if every else None,
         "per_round": [{"outcomes": r["outcomes"], "answered": r["answered"],
-                       "slowest_ms": round(max(r["all_ms"]), 1)} for r in rounds],
+                       "slowest_ms": round(max(r["all_ms"]), 1), "split": r["split"]}
+                      for r in rounds],
         "errors": sorted({e for r in rounds for e in r["errors"]})[:5],
         "refusals": sorted({e for r in rounds for e in r["refusals"]})[:3],
         "goal_met": all_ok and bool(every) and max(every) <= GOAL_S * 1000,

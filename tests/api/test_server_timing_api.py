@@ -77,3 +77,14 @@ async def test_a_pause_answer_times_the_whole_request(api) -> None:
                             "publish", "stopped_hooks", "store_end", "offer", "collect"], phases
     assert total >= 30.0
     _adds_up(phases, total)
+
+
+def test_a_start_is_logged_with_its_host_guest_and_queue_split(caplog) -> None:
+    """``benchmarks/burst.py`` reads this line to split a burst's time."""
+    from aenv.api.views import log_start
+
+    with caplog.at_level("INFO", logger="aenv.api.views"):
+        log_start("sb1", {"api": 0.001, "queue": 0.5, "slot": 0.002, "vmm": 0.01,
+                          "envd_init": 0.2})
+    assert caplog.messages == ["sandbox sb1: started in 713.0 ms (host 13.0 ms, guest "
+                               "200.0 ms, queue 500.0 ms)"]
