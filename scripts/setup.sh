@@ -17,6 +17,7 @@ APT_PACKAGES=(
   flex
   gcc
   iproute2
+  libc6-dev        # headers of aenv/runtime/track_writes.c (built on first use with gcc)
   libelf-dev
   lz4
   make

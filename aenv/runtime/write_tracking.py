@@ -14,14 +14,15 @@ How: a userfaultfd belongs to the process that creates it, so QEMU makes it —
 ``track_writes.c``, preloaded (``launch_env``), registers the guest RAM mapping as soon as
 QEMU maps it. The server never reads the descriptor. ``written_runs`` asks the kernel for
 the pages whose protection a write removed and protects them again, atomically, while the
-vCPUs are stopped; ``arm`` does the same and ignores the answer.
+vCPUs are stopped.
 
 The record is only as good as its start, so the VM's working directory keeps a token
 (``TOKEN``: the VMM's pid and the snapshot the record starts at). A capture takes the token
 away before it re-arms (``take``) and writes the new one only once its snapshot is
 committed (``remember``); a capture that fails in between leaves no token, and the next one
-compares every written page, as without tracking. A restore arms once its layers are
-written and names the snapshot it restored (the layers it wrote are that snapshot's).
+compares every written page, as without tracking. A restore starts no record (see
+``qemu_snapshot.apply_memory``: it would cost page tables for all of guest RAM), so the
+first capture after it compares every written page.
 
 The library is compiled on first use with the host's C compiler into the artifacts
 directory (``library``); without a compiler, or on an older kernel, nothing is tracked and
@@ -108,19 +109,10 @@ def launch_env(lib: Path, memory_file: Path) -> dict[str, str]:
 
 def written_runs(pid: int, mapping: Mapping) -> list[tuple[int, int]] | None:
     """Runs ``(first_page, count)`` (file page numbers) of the pages written since the last
-    ``arm`` or ``written_runs``, which are protected again by the same call. None when the
-    mapping is not tracked (the caller must then compare every written page). The vCPUs
-    must be stopped."""
-    return _scan(pid, mapping)
-
-
-def arm(pid: int, mapping: Mapping) -> bool:
-    """Start a new record: every page of the mapping is protected. False when the mapping
-    is not tracked."""
-    return _scan(pid, mapping) is not None
-
-
-def _scan(pid: int, mapping: Mapping) -> list[tuple[int, int]] | None:
+    call, which protects them, and every other page, again: the record starts anew. The
+    first call reports every page ever written or never protected. None when the mapping is
+    not tracked (the caller must then compare every written page). The vCPUs must be
+    stopped."""
     try:
         fd = os.open(f"/proc/{pid}/pagemap", os.O_RDONLY)
     except OSError as e:

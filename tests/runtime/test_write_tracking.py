@@ -78,7 +78,7 @@ def tracked(memory: Path, lib: Path) -> Iterator[Child]:
 
 def test_the_scan_reports_exactly_the_pages_written_since_the_last_one(tracked) -> None:
     pid, mapping = tracked.proc.pid, tracked.mapping
-    assert wt.arm(pid, mapping)
+    assert wt.written_runs(pid, mapping)  # the first: everything, never protected
     assert wt.written_runs(pid, mapping) == []
     tracked.write(5, 6, 7, 900)
     assert wt.written_runs(pid, mapping) == [(5, 3), (900, 1)]
@@ -91,7 +91,7 @@ def test_writes_through_proc_mem_are_seen_too(tracked) -> None:
     """The restore writes diff layers through /proc/PID/mem; so does nothing else, but a
     write that does not come from the process's own stores must still count."""
     pid, mapping = tracked.proc.pid, tracked.mapping
-    assert wt.arm(pid, mapping)
+    assert wt.written_runs(pid, mapping)
     with gm.ProcessMemory(pid, mapping, write=True) as mem:
         mem.write(42, b"\x01" * 4096)
     assert wt.written_runs(pid, mapping) == [(42, 1)]
@@ -101,7 +101,6 @@ def test_a_process_without_the_library_is_untracked(memory: Path) -> None:
     child = Child(memory, None)
     try:
         assert wt.written_runs(child.proc.pid, child.mapping) is None
-        assert not wt.arm(child.proc.pid, child.mapping)
     finally:
         child.close()
 
