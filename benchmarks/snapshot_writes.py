@@ -283,7 +283,7 @@ async def dirty_pause_both(bench: Bench, template: Path, size: int,
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    bench = await Bench.open("sw", args.net, args.flavor)
+    bench = await Bench.open(args.prefix, args.net, args.flavor)
     out: dict[str, Any] = {}
     try:
         template, first = await bench.template(args.mib)
@@ -308,6 +308,9 @@ def main() -> None:
     ap.add_argument("--net", type=int, default=135,
                     help="second octet of the benchmark's host and veth /24s")
     ap.add_argument("--flavor", default="cloud")
+    ap.add_argument("--prefix", default="sw",
+                    help="letters of the host objects' name prefix (the pid's last four "
+                         "digits follow): keeps runs of several sessions apart")
     ap.add_argument("--via-api", action="store_true",
                     help="also the loop through POST /sandboxes/{id}/snapshots of a server")
     ap.add_argument("--baseline-tree", metavar="DIR",

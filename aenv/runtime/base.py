@@ -258,8 +258,9 @@ class Compaction(abc.ABC):
 
     - ``install``: the flattened files replace the snapshot's own (each an atomic rename
       of a file already fsynced); from here new readers open the short chain, while the
-      manifest still names the old one, so nothing it depended on can be collected yet.
-      False when the snapshot went meanwhile (nothing was changed then).
+      manifest still names the old one, so nothing it depended on can be collected yet
+      (a merged memory stack: the manifest names the new stack and keeps the old layers
+      as ``retired``). False when the snapshot went meanwhile (nothing was changed then).
     - ``release``: the manifest stops naming the files the flattened ones no longer read,
       so garbage collection may delete them. Run it a while after ``install``: a reader
       that opened the old file just before the rename may still be opening its chain.

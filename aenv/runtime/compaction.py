@@ -8,6 +8,11 @@ result under the caller's snapshot lock (the lock that also serialises captures 
 collection), and ``release``s it ``release_after_s`` later, under the lock again. Failures
 are logged: the snapshot keeps its longer chain, which restores all the same.
 
+What is compacted: each qcow2 drive chain deeper than the driver's ``max_chain`` (flattened
+onto its root), and the memory stack when it has more than ``max_chain`` diff layers (merged
+into one diff, ``aenv.storage.memory_compaction``: its ``install`` rewrites the manifest to
+the short stack and lists the old layers as retired; ``release`` drops that list).
+
 Crash safety (the server may die at any moment): the snapshot directory restores before,
 during and after every step. Until ``install`` the flattened copy is a hidden file beside
 the drive file; ``install`` is a rename of a file already fsynced; until ``release`` the

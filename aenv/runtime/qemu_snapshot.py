@@ -27,8 +27,11 @@ Memory, two cases:
   Restore costs O(device state + diff pages), not O(RAM): the base is mapped, never read.
   Every restore of one snapshot shares the base's page cache; each holds only its diff
   pages and what it writes itself as private memory.
-- Chains: a diff layer is added per snapshot. When that would exceed ``max_chain`` diff
-  layers, the new layer instead holds every page that differs from the base (one diff on
+- Chains: a diff layer is added per snapshot; a stack deeper than ``max_chain`` diffs is
+  merged into one diff *after* the capture, in the background (``prepare_compaction``,
+  ``aenv.storage.memory_compaction``). Only when the stack has grown to twice that (the
+  background fell behind: ``memory_compaction.compacts_inline``) does the capture itself
+  compact: the new layer then holds every page that differs from the base (one diff on
   the base); if that is more than half of RAM, a new full image is written (O(RAM), rare).
   ``incremental=False`` always writes the full image.
 
@@ -126,7 +129,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from ..phase_timer import PhaseTimer
-from ..storage import durable
+from ..storage import durable, memory_compaction
 from ..storage import snapshots as snap
 from ..storage.disks import DiskError, create_disk, reflink
 from ..storage.errors import StorageError
@@ -516,7 +519,7 @@ def _capture_private(pid: int, workdir: Path, staging: Path, parent: snap.Manife
     mapping = gm.find_mapping(pid, workdir / wd.BASE_MEMORY, size)
     since = write_tracking.take(workdir, pid)
     written = write_tracking.written_runs(pid, mapping)  # and protected again
-    compact = len(layers) > max_chain  # one more diff would exceed the limit
+    compact = memory_compaction.compacts_inline(len(layers) - 1, max_chain)  # the valve
     tracked = written is not None and since == parent_dir and incremental and not compact
     runs = written if tracked and written is not None else gm.private_runs(pid, mapping)
     private = sum(n for _, n in runs)
@@ -1174,9 +1177,11 @@ class _FlatDrive:
 class QemuCompaction(Compaction):
     """``prepare_compaction``'s result (the steps: ``aenv.runtime.base.Compaction``)."""
 
-    def __init__(self, directory: Path, drives: tuple[_FlatDrive, ...]) -> None:
+    def __init__(self, directory: Path, drives: tuple[_FlatDrive, ...],
+                 memory: memory_compaction.MemoryCompaction | None = None) -> None:
         self.directory = directory
         self.drives = drives
+        self.memory = memory  # the merge of the memory stack, if it is too deep
 
     def install(self) -> bool:
         if not (self.directory / snap.MANIFEST).is_file():  # collected meanwhile
@@ -1186,9 +1191,13 @@ class QemuCompaction(Compaction):
             if d.flat is not None:
                 os.replace(d.flat, d.file)
         durable.fsync_dir(self.directory)
+        if self.memory is not None and not self.memory.install():
+            return bool(self.drives)
         return True
 
     def release(self) -> None:
+        if self.memory is not None:
+            self.memory.release()
         try:
             manifest = snap.read_manifest(self.directory)
         except StorageError:
@@ -1201,6 +1210,8 @@ class QemuCompaction(Compaction):
             snap.rewrite_manifest(self.directory, dataclasses.replace(manifest, drives=drives))
 
     def discard(self) -> None:
+        if self.memory is not None:
+            self.memory.discard()
         for d in self.drives:
             if d.flat is not None:
                 d.flat.unlink(missing_ok=True)
@@ -1211,7 +1222,8 @@ def prepare_compaction(directory: Path, max_chain: int) -> QemuCompaction | None
     file reads through more than ``max_chain`` - 1 other snapshots' files is flattened onto
     its root into ``.<file>.compacting`` (made from a copy: the file may be a running VM's
     backing) and fsynced. A drive whose file is already flat (a compaction installed but
-    not released when the server stopped) needs only the release."""
+    not released when the server stopped) needs only the release. The memory stack, when
+    deeper than ``max_chain`` diffs, is merged (``memory_compaction.prepare``)."""
     try:
         manifest = snap.read_manifest(directory)
     except StorageError:
@@ -1237,7 +1249,10 @@ def prepare_compaction(directory: Path, max_chain: int) -> QemuCompaction | None
             os.chmod(flat, path.stat().st_mode & 0o777)
             snap.flatten_onto(flat, d.root, d.root_format)
             durable.fsync_file(flat)
+        memory = memory_compaction.prepare(directory, max_chain)
     except BaseException:
         QemuCompaction(directory, tuple(drives)).discard()
         raise
-    return QemuCompaction(directory, tuple(drives)) if drives else None
+    if not drives and memory is None:
+        return None
+    return QemuCompaction(directory, tuple(drives), memory)

@@ -139,7 +139,8 @@ def dependencies(path: Path, snapshots_root: Path, layers_root: Path) -> set[Pat
                 m = snapshots.read_manifest(path)
             except StorageError as e:
                 raise DependenciesUnknown(f"{path}: {e}") from e
-            files = {la.directory / snapshots.MEMORY for la in m.layers}
+            # Retired layers: a reader of the manifest before a merge may still open them.
+            files = {la.path for la in m.layers} | set(m.retired)
             for d in m.drives:
                 files.update(d.chain)
                 if d.root is not None:

@@ -7,6 +7,9 @@ A snapshot directory holds::
     vmstate         the VMM's device state (format owned by the driver that wrote it)
     memory          this snapshot's memory layer (absent when nothing changed)
     memory.runs     for a diff layer: which pages ``memory`` holds
+    memory.merged (+ ``.runs``)  a diff layer made by merging the snapshot's diff layers
+                    in the background (``aenv.storage.memory_compaction``); the manifest
+                    then names it in the place of those layers
     memory.pending  present while the memory layer is still being written after a pause
                     answered (``memory_pending``); the manifest then names the parent's
                     layers only, and the snapshot must not be restored
@@ -31,10 +34,16 @@ disjoint. No checksums: computing one would cost a pass over data the pause othe
 never reads (pause must cost what changed, not what exists); files are written by this
 host and the manifest records their sizes, which ``read_manifest`` checks.
 
+A manifest may also list ``retired`` layer files: ones an earlier version of it named
+(before a background merge) that a reader of that version may still open. Garbage
+collection keeps them until the merge's release drops them from the list.
+
 Durability: ``commit`` fsyncs every file of the snapshot and its manifest, then renames
 the directory into place and fsyncs the parent (``durable``), so a snapshot that exists
 after a host crash holds what was captured, never zeros. The manifest carries
-``FORMAT_VERSION``; a reader refuses other versions.
+``FORMAT_VERSION``, or ``NAMED_LAYERS_VERSION`` when a layer has a file name other than
+``memory`` (an older aenv would read the wrong file, so it must refuse such a manifest); a
+reader refuses versions it does not know (``READ_VERSIONS``).
 """
 
 from __future__ import annotations
@@ -59,6 +68,8 @@ from .errors import StorageError
 
 FORMAT = "aenv-vm-snapshot"
 FORMAT_VERSION = 1
+NAMED_LAYERS_VERSION = 2  # written instead when a layer is not named ``memory``
+READ_VERSIONS = (FORMAT_VERSION, NAMED_LAYERS_VERSION)
 MANIFEST = "snapshot.json"
 DEVICE_STATE = "vmstate"
 MEMORY = "memory"
@@ -84,19 +95,21 @@ class SnapshotFormatError(SnapshotFilesError):
 
 @dataclass(frozen=True)
 class MemoryLayer:
-    """One layer of the memory stack: the ``memory`` file of snapshot ``directory``."""
+    """One layer of the memory stack: the file ``name`` (``memory`` unless a background
+    merge made it) of snapshot ``directory``."""
 
     directory: Path
     kind: LayerKind
     pages: int  # valid pages (for a full layer: the pages allocated in the sparse file)
+    name: str = MEMORY
 
     @property
     def path(self) -> Path:
-        return self.directory / MEMORY
+        return self.directory / self.name
 
     @property
     def runs_path(self) -> Path:
-        return self.directory / MEMORY_RUNS
+        return self.directory / f"{self.name}.runs"
 
 
 @dataclass(frozen=True)
@@ -133,6 +146,8 @@ class Manifest:
     created_at: float = field(default_factory=time.time)
     sizes: dict[str, int] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    # Layer files an earlier version of this manifest named (a merge's, until its release).
+    retired: tuple[Path, ...] = ()
 
     @property
     def npages(self) -> int:
@@ -153,9 +168,16 @@ class Manifest:
         def ref(p: Path) -> str | None:
             return None if p == directory else str(p)
 
+        def layer(la: MemoryLayer) -> dict[str, Any]:
+            out: dict[str, Any] = {"dir": ref(la.directory), "kind": la.kind, "pages": la.pages}
+            if la.name != MEMORY:
+                out["file"] = la.name
+            return out
+
+        named = any(la.name != MEMORY for la in self.layers)
         return {
             "format": FORMAT,
-            "version": FORMAT_VERSION,
+            "version": NAMED_LAYERS_VERSION if named else FORMAT_VERSION,
             "driver": self.driver,
             "created_at": self.created_at,
             "parent": str(self.parent) if self.parent else None,
@@ -164,8 +186,8 @@ class Manifest:
             "memory": {
                 "size": self.memory_size,
                 "page_size": PAGE_SIZE,
-                "layers": [{"dir": ref(la.directory), "kind": la.kind, "pages": la.pages}
-                           for la in self.layers],
+                "layers": [layer(la) for la in self.layers],
+                **({"retired": [str(p) for p in self.retired]} if self.retired else {}),
             },
             "drives": [
                 {"id": d.id, "format": d.format, "read_only": d.read_only, "file": d.file,
@@ -181,7 +203,7 @@ class Manifest:
     def from_json(cls, data: dict[str, Any], directory: Path) -> Manifest:
         if data.get("format") != FORMAT:
             raise SnapshotFormatError(f"{directory}: not an aenv VM snapshot")
-        if data.get("version") != FORMAT_VERSION:
+        if data.get("version") not in READ_VERSIONS:
             raise SnapshotFormatError(
                 f"{directory}: snapshot format version {data.get('version')}, "
                 f"this aenv reads {FORMAT_VERSION}")
@@ -189,7 +211,8 @@ class Manifest:
         if mem["page_size"] != PAGE_SIZE:
             raise SnapshotFormatError(f"{directory}: page size {mem['page_size']}")
         layers = tuple(
-            MemoryLayer(Path(la["dir"]) if la["dir"] else directory, la["kind"], la["pages"])
+            MemoryLayer(Path(la["dir"]) if la["dir"] else directory, la["kind"], la["pages"],
+                        la.get("file", MEMORY))
             for la in mem["layers"])
         drives = tuple(
             DriveImage(d["id"], d["format"], d["read_only"], d["file"],
@@ -201,7 +224,8 @@ class Manifest:
                    layers=layers, drives=drives,
                    parent=Path(data["parent"]) if data["parent"] else None,
                    created_at=data["created_at"], sizes=data.get("sizes", {}),
-                   timings=data.get("timings", {}))
+                   timings=data.get("timings", {}),
+                   retired=tuple(Path(p) for p in mem.get("retired", ())))
 
 
 def read_manifest(directory: Path) -> Manifest:
@@ -329,9 +353,11 @@ def abort(staging: Path) -> None:
 
 def dependencies(directory: Path) -> set[Path]:
     """Other snapshot directories whose files ``directory`` reads (memory layers and drive
-    backing chains): none of them may be deleted while ``directory`` exists."""
+    backing chains, and retired layers a reader may still open): none of them may be
+    deleted while ``directory`` exists."""
     m = read_manifest(directory)
     deps = {la.directory for la in m.layers} | {p.parent for d in m.drives for p in d.chain}
+    deps |= {p.parent for p in m.retired}
     deps.discard(directory)
     return deps
 

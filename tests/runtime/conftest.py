@@ -35,7 +35,10 @@ from aenv.runtime.ready import BootPhases, boot_until_ready
 from aenv.storage.disks import Disk, create_disk
 from tests.fake_control_plane import FakeControlPlane
 
-PREFIX = "aenvrt"
+# Host objects' name prefix and the 10.<net>/10.<net+1> /24s; overridable so that two
+# sessions on one host can run this suite side by side (with their own AENV_HOME).
+PREFIX = os.environ.get("AENV_TEST_RT_PREFIX", "aenvrt")
+_NET = int(os.environ.get("AENV_TEST_RT_NET", "13"))
 VM_PREFIX = "rt-"  # working directories of this suite's VMs: <vms_dir>/rt-<name>
 GUEST_MIB = 512  # the guest RAM boot_guest gives every guest
 
@@ -54,8 +57,8 @@ def rt_settings() -> Settings:
     """The host's data dir (kernels and images are cached there across runs) with our own
     object prefix and address ranges."""
     return dataclasses.replace(
-        Settings.from_env(), name_prefix=PREFIX, host_cidr="10.13.0.0/24",
-        veth_cidr="10.14.0.0/24", warm_slots=0,
+        Settings.from_env(), name_prefix=PREFIX, host_cidr=f"10.{_NET}.0.0/24",
+        veth_cidr=f"10.{_NET + 1}.0.0/24", warm_slots=0,
     )
 
 

@@ -22,7 +22,7 @@ import pytest
 from aenv.runtime import qemu_snapshot, write_tracking
 from aenv.runtime.compaction import Compactor
 from aenv.runtime.qemu import QemuRuntime
-from aenv.storage import snapshots
+from aenv.storage import memory_compaction, snapshots
 from tests.runtime.conftest import (
     GUEST_MIB,
     VM_PREFIX,
@@ -261,8 +261,9 @@ async def _snapshots_twice_and_forks(source: Guest, origin: Origin, rt_settings,
 
 async def test_a_chain_deeper_than_the_limit_is_compacted_and_still_restores(
         origin: Origin, rt_settings, slot_pool, snap_dir) -> None:
-    """Memory within the capture; the drive's chain in the background (``Compactor``),
-    while the VM resumed from the snapshot being compacted runs, pauses and resumes on."""
+    """The memory stack (merged into one diff) and the drive's chain, both in the
+    background (``Compactor``), while the VM resumed from the snapshot being compacted runs,
+    pauses and resumes on; no capture compacts within itself."""
     runtime = QemuRuntime(max_chain=2, track_writes=rt_settings.native_dir)
     compactor = Compactor(runtime, asyncio.Lock(), release_after_s=0.0)
     guest = await restore_guest(VM_PREFIX + "s4", origin.snapshot, rt_settings, slot_pool,
@@ -284,8 +285,11 @@ async def test_a_chain_deeper_than_the_limit_is_compacted_and_still_restores(
             m = snapshots.read_manifest(directory)
             depths.append((m.diff_depth, len(m.drive("rootfs").chain)))
         assert all(mem <= 2 and disk + 1 <= 2 for mem, disk in depths), depths
-        assert any(compacted), depths  # the memory stack, within the capture
-        assert compactor.history, depths  # the drive, after it
+        assert not any(compacted), depths  # within 2 * max_chain: no inline compaction
+        assert compactor.history, depths  # the memory stack and the drive, after it
+        merged = [snapshots.read_manifest(snap_dir / f"chain{i}") for i in range(4)]
+        assert any(m.layers[-1].name == memory_compaction.MERGED and not m.retired
+                   for m in merged), depths
         sbx = guest.sandbox()
         for i in range(4):
             assert sbx.files.read(f"/home/user/gen{i}") == f"generation {i}\n"
