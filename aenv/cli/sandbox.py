@@ -214,6 +214,9 @@ def _envd_for(api: ApiClient, sandbox_id: str) -> EnvdClient:
     return EnvdClient.through_proxy(api.url, sandbox_id, info.get("envdAccessToken"))
 
 
+CTRL_C_KILL_TIMEOUT_S = 5.0  # how long Ctrl-C on exec waits for the remote kill
+
+
 @app.command("exec")
 def exec_(
     sandbox_id: str = typer.Argument(..., metavar="ID"),
@@ -267,10 +270,11 @@ async def _exec(envd: EnvdClient, line: str, *, user: str | None, cwd: str | Non
                              "and was killed")
                 return TIMEOUT_STATUS
             except asyncio.CancelledError:
-                # Ctrl-C: do not leave the command running in the sandbox.
+                # Ctrl-C: do not leave the command running in the sandbox, but do not hang
+                # on a sandbox that is slow to answer either.
                 if pid:
                     with contextlib.suppress(Exception):
-                        await envd.kill(pid)
+                        await asyncio.wait_for(envd.kill(pid), CTRL_C_KILL_TIMEOUT_S)
                 raise
     finally:
         await envd.aclose()
