@@ -28,8 +28,16 @@ from .base import VMError
 PAGE_SIZE = 4096
 _PM_ENTRY = 8
 # The top byte of a little-endian pagemap entry: 0x80 present, 0x40 swapped, 0x20 file/shared.
-_PRIVATE = bytes(1 if ((b & 0xA0) == 0x80 or ((b & 0x40) and not (b & 0x20))) else 0
-                 for b in range(256))
+# Classes: 1 present and private, 2 swapped and not file-backed, else 0.
+_TOP_CLASS = bytes(1 if (b & 0xA0) == 0x80 else 2 if (b & 0x60) == 0x40 else 0
+                   for b in range(256))
+# The low byte of a swapped entry holds the swap type (bits 0-4, readable by root):
+# 31 (SWP_PTE_MARKER) is no page at all but a marker, which userfaultfd write protection
+# (``write_tracking``) leaves where a file-backed page was never mapped.
+_MARKER_TYPE = bytes(1 if (b & 0x1F) == 0x1F else 0 for b in range(256))
+# class + 2 * marker-type, per entry: private unless a swapped entry is a marker (4); a
+# present page's low byte is its frame number's, not a type (3 is private).
+_PRIVATE = bytes((0, 1, 1, 1) + (0,) * 252)
 _RUN = re.compile(rb"\x01+")
 _IO_CHUNK = 8 << 20  # bytes per read/write system call on process memory
 
@@ -98,7 +106,11 @@ def private_runs(pid: int, mapping: Mapping) -> list[tuple[int, int]]:
     finally:
         os.close(fd)
     entries = b"".join(chunks)
-    flags = entries[_PM_ENTRY - 1::_PM_ENTRY].translate(_PRIVATE)
+    top = entries[_PM_ENTRY - 1::_PM_ENTRY].translate(_TOP_CLASS)
+    marker = entries[0::_PM_ENTRY].translate(_MARKER_TYPE)
+    # Per byte at most 2 + 2: the sum of the two as integers has no carries.
+    combined = (int.from_bytes(top, "little") + 2 * int.from_bytes(marker, "little"))
+    flags = combined.to_bytes(npages, "little").translate(_PRIVATE)
     first = mapping.offset // PAGE_SIZE
     return [(first + m.start(), m.end() - m.start()) for m in _RUN.finditer(flags)]
 

@@ -132,3 +132,15 @@ def test_the_library_is_built_once_per_source(tmp_path: Path) -> None:
     assert first is not None and first.exists()
     assert wt.library(tmp_path / "n") == first
     assert first.stat().st_mode & 0o777 == 0o755
+
+
+def test_protection_markers_are_not_taken_for_written_pages(tracked) -> None:
+    """Protecting a file mapping leaves a marker where no page was mapped; pagemap shows it
+    as a swap entry, which ``guest_memory.private_runs`` must not count as a private page
+    (it did: the first capture after the record started compared all of guest RAM)."""
+    pid, mapping = tracked.proc.pid, tracked.mapping
+    assert gm.private_runs(pid, mapping) == [(3, 1)]
+    wt.written_runs(pid, mapping)
+    assert gm.private_runs(pid, mapping) == [(3, 1)]
+    tracked.write(10)
+    assert gm.private_runs(pid, mapping) == [(3, 1), (10, 1)]
