@@ -151,12 +151,31 @@ class SlotPool:
         with self._cv:
             self._check_open()
         self._host.check()
+        dirty = False
         with self._cv:
             self._check_open()
-            # a warm slot, else the index of one to make now
-            picked = self._warm.popleft() if self._warm else self._take_index()
+            # a warm slot, else the index of one to make now, else a released one not
+            # cleaned yet: the filler holds its work during starts (a fan-out's, for as long
+            # as they come back to back), and released slots must not run the range out
+            picked: NetworkSlot | int
+            if self._warm:
+                picked = self._warm.popleft()
+            else:
+                try:
+                    picked = self._take_index()
+                except PoolExhaustedError:
+                    if not self._dirty:
+                        raise
+                    picked, dirty = self._dirty.popleft(), True
             self._last_busy = time.monotonic()
             self._cv.notify_all()  # the filler tops the warm pool up again
+        if dirty:
+            assert isinstance(picked, NetworkSlot)
+            try:
+                picked.reset()
+            except BaseException:
+                self._retire(picked)
+                raise
         if isinstance(picked, int):
             try:
                 slot = NetworkSlot.create(self.addressing, picked, policy=policy,

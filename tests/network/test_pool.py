@@ -187,6 +187,30 @@ def test_exhausted_range_raises(pool_factory):
         pool.acquire()
 
 
+def test_released_slots_are_cleaned_by_acquire_while_a_fan_out_holds_the_filler(
+        pool_factory, make_guest, internet):
+    """Fork rounds back to back hold the filler (a fan-out's starts) and released slots
+    waited for it to clean them: 16 more slots in use per round until the range ran out
+    (fork x16 nine times in a row on a /24). An acquire that finds no index left cleans a
+    released slot itself, and that slot comes back clean, with the policy asked for."""
+    pool = pool_factory(host_cidr=TINY_HOST_CIDR, veth_cidr=TINY_VETH_CIDR)
+    with pool.starting(burst=True):
+        slots = [pool.acquire() for _ in range(pool.addressing.capacity)]
+        guest = make_guest(slots[0])
+        assert connect(guest.netns, INET_PEER_IP, internet.public.port).startswith("internet ")
+        guest.close()
+        pool.release(slots[0])
+        time.sleep(0.5)
+        assert pool.stats()["cleaning"] == 1  # held: the fan-out is still starting
+        again = pool.acquire(EgressPolicy.build(allow_internet=False))
+        assert again.index == slots[0].index
+        guest = make_guest(again)
+        assert blocked(guest.netns, INET_PEER_IP, internet.public.port)
+        guest.close()
+        with pytest.raises(PoolExhaustedError):
+            pool.acquire()
+
+
 def test_adopt_takes_over_a_slot_kept_over_a_restart(tmp_path, make_guest):
     settings = make_settings(tmp_path)
     first = SlotPool(settings)
