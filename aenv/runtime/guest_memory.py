@@ -35,9 +35,9 @@ _TOP_CLASS = bytes(1 if (b & 0xA0) == 0x80 else 2 if (b & 0x60) == 0x40 else 0
 # 31 (SWP_PTE_MARKER) is no page at all but a marker, which userfaultfd write protection
 # (``write_tracking``) leaves where a file-backed page was never mapped.
 _MARKER_TYPE = bytes(1 if (b & 0x1F) == 0x1F else 0 for b in range(256))
-# class + 2 * marker-type, per entry: private unless a swapped entry is a marker (4); a
-# present page's low byte is its frame number's, not a type (3 is private).
-_PRIVATE = bytes((0, 1, 1, 1) + (0,) * 252)
+# class + 3 * marker-type, per entry: private if present (1, 4: a present page's low byte
+# is its frame number's, not a type) or swapped and not a marker (2).
+_PRIVATE = bytes((0, 1, 1, 0, 1, 0) + (0,) * 250)
 _RUN = re.compile(rb"\x01+")
 _IO_CHUNK = 8 << 20  # bytes per read/write system call on process memory
 
@@ -108,8 +108,8 @@ def private_runs(pid: int, mapping: Mapping) -> list[tuple[int, int]]:
     entries = b"".join(chunks)
     top = entries[_PM_ENTRY - 1::_PM_ENTRY].translate(_TOP_CLASS)
     marker = entries[0::_PM_ENTRY].translate(_MARKER_TYPE)
-    # Per byte at most 2 + 2: the sum of the two as integers has no carries.
-    combined = (int.from_bytes(top, "little") + 2 * int.from_bytes(marker, "little"))
+    # Per byte at most 2 + 3: the sum of the two as integers has no carries.
+    combined = (int.from_bytes(top, "little") + 3 * int.from_bytes(marker, "little"))
     flags = combined.to_bytes(npages, "little").translate(_PRIVATE)
     first = mapping.offset // PAGE_SIZE
     return [(first + m.start(), m.end() - m.start()) for m in _RUN.finditer(flags)]
