@@ -521,7 +521,8 @@ class QemuRuntime(Runtime):
             qmp = await self._connect_qmp(spec, process)
             timings["qmp_ready"] = spawn.elapsed()
             await joined
-            await asyncio.to_thread(qemu_snapshot.apply_memory, process.pid, plan)
+            await asyncio.to_thread(qemu_snapshot.apply_memory, process.pid, plan,
+                                    track=env is not None)
             timings["memory_applied"] = spawn.elapsed()
             # While a migration is awaited, ``cont`` only sets QEMU's autostart: the vCPUs
             # then start as soon as the device state is loaded, with no round trip between.

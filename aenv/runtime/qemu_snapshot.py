@@ -85,9 +85,9 @@ restore private, so without help each later snapshot re-reads and compares all o
 its freeze grows with everything written since the restore. QEMU started with the tracking
 library records its writes (userfaultfd write protection, asynchronous), and a capture whose
 record starts at its parent compares only the pages written since then; the record restarts
-at every capture (not at a restore: see ``apply_memory``). A capture that compacts, or
-finds no valid record (the first after a restore, after a failed capture or an abandoned
-deferred write, or without the library), compares every written page as before.
+at every capture and at the restore. A capture that compacts, or finds no valid record
+(after a failed capture or an abandoned deferred write, or without the library), compares
+every written page as before.
 
 Why not the alternatives QEMU 7.2 offers: a streaming migration (and ``background-snapshot``,
 which only shortens the freeze) writes all of RAM; ``x-ignore-shared`` skips only
@@ -1134,18 +1134,26 @@ def prepare_restore(snapshot_dir: Path, overrides: RestoreOverrides) -> RestoreP
     return RestorePlan(snapshot_dir, manifest, spec, m)
 
 
-def apply_memory(pid: int, plan: RestorePlan) -> int:
+def apply_memory(pid: int, plan: RestorePlan, *, track: bool = False) -> int:
     """Write the diff layers over the freshly mapped base, before the device state is
     loaded (virtio's load reads its rings from guest RAM); each page is written once, from
-    the newest layer that has it. Returns the pages written. (A restore does not start a
-    ``write_tracking`` record: protecting all of a guest's RAM costs the VMM page tables for
-    all of it, ~2 KiB per MiB, which an idle sandbox that is never snapshotted need not pay;
-    its first capture compares every written page and starts the record.)"""
+    the newest layer that has it. Returns the pages written. ``track``: the VMM runs with
+    ``write_tracking``'s library; its record then starts here, at the restored snapshot (the
+    pages just written are that snapshot's), so even the first capture compares only what
+    the guest wrote since."""
     layers = plan.manifest.layers
-    if len(layers) == 1:
-        return 0
     size = plan.manifest.memory_size
+    if len(layers) == 1 and not track:
+        return 0
     mapping = gm.find_mapping(pid, plan.spec.workdir / wd.BASE_MEMORY, size)
+    written = _write_layers(pid, mapping, layers, size) if len(layers) > 1 else 0
+    if track and write_tracking.written_runs(pid, mapping) is not None:
+        write_tracking.remember(plan.spec.workdir, pid, plan.snapshot_dir)
+    return written
+
+
+def _write_layers(pid: int, mapping: gm.Mapping, layers: tuple[snap.MemoryLayer, ...],
+                  size: int) -> int:
     owners = snap.owner_map(layers, size // PAGE)
     written = 0
     with gm.ProcessMemory(pid, mapping, write=True) as mem:

@@ -20,9 +20,10 @@ The record is only as good as its start, so the VM's working directory keeps a t
 (``TOKEN``: the VMM's pid and the snapshot the record starts at). A capture takes the token
 away before it re-arms (``take``) and writes the new one only once its snapshot is
 committed (``remember``); a capture that fails in between leaves no token, and the next one
-compares every written page, as without tracking. A restore starts no record (see
-``qemu_snapshot.apply_memory``: it would cost page tables for all of guest RAM), so the
-first capture after it compares every written page.
+compares every written page, as without tracking. A restore starts the record once its
+layers are written and names the snapshot it restored (the layers it wrote are that
+snapshot's). Only mapped pages are protected (``_MAPPED``), so the record costs no page
+tables beyond those the guest's own pages need.
 
 The library is compiled on first use with the host's C compiler into the artifacts
 directory (``library``); without a compiler, or on an older kernel, nothing is tracked and
@@ -57,6 +58,13 @@ _PAGEMAP_SCAN = (3 << 30) | (96 << 16) | (ord("f") << 8) | 16
 _PM_SCAN_WP_MATCHING = 1 << 0  # write-protect the pages that matched
 _PM_SCAN_CHECK_WPASYNC = 1 << 1  # fail (EPERM) on a range not registered for async WP
 _PAGE_IS_WRITTEN = 1 << 1
+_PAGE_IS_PRESENT = 1 << 3
+_PAGE_IS_SWAPPED = 1 << 4
+# Only pages that are there (present or swapped) are reported and protected. To the kernel
+# a never-mapped page is "written" (it is not protected), and protecting it would leave a
+# marker in its page table entry, making page tables for all of guest RAM (~2 KiB per MiB).
+# Such a page, when the guest first maps it, comes in unprotected and is reported then.
+_MAPPED = _PAGE_IS_PRESENT | _PAGE_IS_SWAPPED
 _REGION = struct.Struct("<QQQ")  # struct page_region: start, end, categories
 _REGIONS = 16384  # per ioctl call; the scan resumes at walk_end when they run out
 
@@ -109,10 +117,11 @@ def launch_env(lib: Path, memory_file: Path) -> dict[str, str]:
 
 def written_runs(pid: int, mapping: Mapping) -> list[tuple[int, int]] | None:
     """Runs ``(first_page, count)`` (file page numbers) of the pages written since the last
-    call, which protects them, and every other page, again: the record starts anew. The
-    first call reports every page ever written or never protected. None when the mapping is
-    not tracked (the caller must then compare every written page). The vCPUs must be
-    stopped."""
+    call, which protects them, and every other mapped page, again: the record starts anew.
+    The first call reports every mapped page, and later calls also report a page the guest
+    mapped by reading it since (it came in unprotected): a superset of the written ones.
+    None when the mapping is not tracked (the caller must then compare every written
+    page). The vCPUs must be stopped."""
     try:
         fd = os.open(f"/proc/{pid}/pagemap", os.O_RDONLY)
     except OSError as e:
@@ -125,7 +134,7 @@ def written_runs(pid: int, mapping: Mapping) -> list[tuple[int, int]] | None:
         while start < end:
             arg = bytearray(struct.pack(
                 "<12Q", 96, _PM_SCAN_WP_MATCHING | _PM_SCAN_CHECK_WPASYNC, start, end, 0,
-                ctypes.addressof(vec), _REGIONS, 0, 0, _PAGE_IS_WRITTEN, 0,
+                ctypes.addressof(vec), _REGIONS, 0, 0, _PAGE_IS_WRITTEN, _MAPPED,
                 _PAGE_IS_WRITTEN))
             try:
                 n = fcntl.ioctl(fd, _PAGEMAP_SCAN, arg, True)

@@ -18,7 +18,7 @@ from aenv.runtime import write_tracking as wt
 
 PAGES = 1024
 # Maps argv[1] (argv[2] pages) privately and writable, writes page 3, then writes the pages
-# named on each line of stdin (one byte each) and answers "done".
+# named on each line of stdin (one byte each; "r<n>" reads page n) and answers "done".
 CHILD = """
 import mmap, os, sys
 PAGES = int(sys.argv[2])
@@ -28,7 +28,10 @@ m[3 * 4096] = 1
 print("ready", flush=True)
 for line in sys.stdin:
     for page in line.split():
-        m[int(page) * 4096] = 7
+        if page.startswith("r"):
+            m[int(page[1:]) * 4096]
+        else:
+            m[int(page) * 4096] = 7
     print("done", flush=True)
 """
 
@@ -42,7 +45,7 @@ class Child:
         assert self.proc.stdout is not None and self.proc.stdout.readline() == "ready\n"
         self.mapping = gm.find_mapping(self.proc.pid, memory, PAGES * 4096)
 
-    def write(self, *pages: int) -> None:
+    def write(self, *pages: int | str) -> None:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(" ".join(map(str, pages)) + "\n")
         self.proc.stdin.flush()
@@ -144,3 +147,19 @@ def test_protection_markers_are_not_taken_for_written_pages(tracked) -> None:
     assert gm.private_runs(pid, mapping) == [(3, 1)]
     tracked.write(10)
     assert gm.private_runs(pid, mapping) == [(3, 1), (10, 1)]
+
+
+def test_only_mapped_pages_are_protected(tracked) -> None:
+    """Protecting a page the process never mapped would leave a marker in a page table
+    made for it: page tables for all of guest RAM. Such a page is left alone, and one the
+    process maps by reading comes in unprotected: reported once (a superset is safe)."""
+    pid, mapping = tracked.proc.pid, tracked.mapping
+    assert wt.written_runs(pid, mapping) == [(3, 1)]
+    with open(f"/proc/{pid}/pagemap", "rb") as f:
+        f.seek((mapping.start // 4096 + 500) * 8)
+        assert f.read(8) == bytes(8)  # nothing there: no marker
+    tracked.write("r500")
+    assert wt.written_runs(pid, mapping) == [(500, 1)]
+    assert wt.written_runs(pid, mapping) == []
+    tracked.write(500)
+    assert wt.written_runs(pid, mapping) == [(500, 1)]
