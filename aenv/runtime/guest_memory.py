@@ -174,6 +174,25 @@ class ProcessMemory:
         self.close()
 
 
+def intersect_runs(a: list[tuple[int, int]],
+                   b: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The pages in both ``a`` and ``b`` (each sorted runs ``(first_page, count)`` that do
+    not overlap), as runs."""
+    out: list[tuple[int, int]] = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        lo = max(a[i][0], b[j][0])
+        a_end, b_end = a[i][0] + a[i][1], b[j][0] + b[j][1]
+        hi = min(a_end, b_end)
+        if lo < hi:
+            out.append((lo, hi - lo))
+        if a_end <= b_end:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
 def split_runs(runs: list[tuple[int, int]], max_pages: int) -> Iterator[tuple[int, int]]:
     """``runs`` cut into pieces of at most ``max_pages`` (bounded buffers)."""
     for start, count in runs:

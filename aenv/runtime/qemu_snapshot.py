@@ -521,7 +521,11 @@ def _capture_private(pid: int, workdir: Path, staging: Path, parent: snap.Manife
     written = write_tracking.written_runs(pid, mapping)  # and protected again
     compact = memory_compaction.compacts_inline(len(layers) - 1, max_chain)  # the valve
     tracked = written is not None and since == parent_dir and incremental and not compact
-    runs = written if tracked and written is not None else gm.private_runs(pid, mapping)
+    runs = gm.private_runs(pid, mapping)
+    if tracked and written is not None:
+        # The record also names pages the guest only read into its mapping since (they
+        # came in unprotected): a page it wrote is private too.
+        runs = gm.intersect_runs(runs, written)
     private = sum(n for _, n in runs)
     t.mark("scan")
     full = not incremental or (compact and private > FULL_FRACTION * npages)

@@ -163,3 +163,12 @@ def test_only_mapped_pages_are_protected(tracked) -> None:
     assert wt.written_runs(pid, mapping) == []
     tracked.write(500)
     assert wt.written_runs(pid, mapping) == [(500, 1)]
+
+
+def test_runs_intersect() -> None:
+    """What a tracked capture copies: the recorded pages that are also private."""
+    assert gm.intersect_runs([(0, 10), (20, 5)], [(5, 20)]) == [(5, 5), (20, 5)]
+    assert gm.intersect_runs([(0, 3)], [(3, 2)]) == []
+    assert gm.intersect_runs([], [(1, 2)]) == []
+    assert gm.intersect_runs([(0, 100)], [(1, 1), (5, 2), (99, 5)]) == [(1, 1), (5, 2),
+                                                                        (99, 1)]
